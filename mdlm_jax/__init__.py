@@ -1,0 +1,1 @@
+"""Masked diffusion language models in JAX/Flax."""

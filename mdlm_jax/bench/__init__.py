@@ -1,0 +1,1 @@
+"""Benchmarks: python -m mdlm_jax.bench {train} [--json]."""

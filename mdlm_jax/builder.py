@@ -1,0 +1,78 @@
+"""Model construction: abstract shapes, sharded initialisation, checkpoint loading.
+
+Parameters live as a pure dict of arrays (the shape orbax and optax like);
+`bind` turns them back into an nnx module inside or outside jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from mdlm_jax import checkpoint, sharding
+from mdlm_jax.model import ModelConfig, Transformer
+from mdlm_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Everything needed to rebuild the module around a params dict."""
+
+  cfg: ModelConfig
+  graphdef: Any
+  abstract: Any  # pure dict of ShapeDtypeStruct
+  shardings: Any  # pure dict of NamedSharding (None without a mesh)
+
+
+def model_spec(cfg: ModelConfig, mesh: Mesh | None) -> ModelSpec:
+  abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract_model)
+  shardings = nnx.to_pure_dict(sharding.param_shardings(state, mesh)) if mesh is not None else None
+  return ModelSpec(cfg, graphdef, nnx.to_pure_dict(state), shardings)
+
+
+def init_params(spec: ModelSpec, seed: int):
+  """Initialises directly into the sharded layout (no full host copy)."""
+
+  def init():
+    return nnx.to_pure_dict(nnx.state(Transformer(spec.cfg, rngs=nnx.Rngs(seed))))
+
+  return jax.jit(init, out_shardings=spec.shardings)()
+
+
+def bind(spec: ModelSpec, params) -> Transformer:
+  return nnx.merge(spec.graphdef, params)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  spec: ModelSpec
+  params: Any
+  tokenizer: Tokenizer
+  config: ml_collections.ConfigDict
+  step: int
+  has_ema: bool
+
+  @property
+  def model(self) -> Transformer:
+    return bind(self.spec, self.params)
+
+
+def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
+  """Loads a training checkpoint (EMA weights when present) for inference."""
+  meta, root, step = checkpoint.read_meta(path)
+  config = checkpoint.meta_config(meta)
+  tokenizer = Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(meta))
+  cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
+  spec = model_spec(cfg, mesh)
+  abstract = checkpoint.abstract_like(spec.abstract, spec.shardings)
+  want_ema = use_ema and meta.get("has_ema", False)
+  target = {"params": abstract, "ema": abstract} if meta.get("has_ema", False) else {"params": abstract}
+  state = checkpoint.restore_weights(root, step, target)
+  params = state["ema"] if want_ema else state["params"]
+  return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)))

@@ -1,0 +1,164 @@
+"""The one config schema every experiment file starts from, and its validation.
+
+Config files in configs/ call `base_config()` and override fields; the CLI may
+override any field with `--config.section.field=value`. `validate` runs once,
+before anything touches a device, so a typo fails in a second with a message
+naming the field instead of minutes later inside jit.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+SCHEDULES = ("loglinear", "linear", "cosine")
+OBJECTIVES = ("mdlm", "ar")
+MLPS = ("swiglu", "gelu")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("xla",)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # "mdlm": masked diffusion NELBO on a bidirectional model.
+  # "ar": next-token loss on the same network with model.causal=True.
+  c.objective = "mdlm"
+
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = -1  # -1: taken from the tokenizer.
+  m.num_layers = 8
+  m.embed_dim = 384
+  m.num_heads = 6
+  m.head_dim = -1  # -1: embed_dim // num_heads.
+  m.mlp_dim = 1024
+  m.mlp = "swiglu"
+  m.causal = False
+  m.time_conditioning = False  # adaLN conditioning on t, as in MDLM's DiT.
+  m.cond_dim = 128
+  m.tie_embeddings = True
+  m.rope_theta = 10000.0
+  m.norm_eps = 1e-6
+  m.dtype = "float32"  # compute dtype; params are always float32.
+  m.attention = "xla"
+  m.remat = False
+
+  c.diffusion = d = ml_collections.ConfigDict()
+  d.schedule = "loglinear"
+  d.eps = 1e-3  # alpha(1) = eps: the noise schedule never reaches exactly 0.
+  d.sampling_eps = 1e-3  # t ~ U[sampling_eps, 1] during training.
+  d.antithetic = True
+
+  c.data = dt = ml_collections.ConfigDict()
+  dt.corpus = "stdlib"  # "stdlib", a folder, a glob of text files, or a .jsonl file.
+  dt.text_field = "text"  # for jsonl corpora.
+  dt.validation_fraction = 0.05
+  dt.seq_len = 256
+  dt.batch_size = 32  # global batch, summed over processes.
+  dt.shuffle_seed = 0
+  dt.tokenizer = ""  # path to a sentencepiece .model; "" trains one into the workdir.
+  dt.tokenizer_vocab_size = 4096
+  dt.tokenizer_max_chars = 20_000_000  # of training text fed to the tokenizer trainer.
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.learning_rate = 1e-3
+  o.warmup_steps = 200
+  o.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio.
+  o.weight_decay = 0.01
+  o.b1 = 0.9
+  o.b2 = 0.98
+  o.eps = 1e-8
+  o.grad_clip = 1.0  # global norm; 0 disables.
+  o.grad_accum_steps = 1
+  o.ema_decay = 0.999  # 0 disables the EMA.
+
+  c.train = t = ml_collections.ConfigDict()
+  t.num_steps = 2000
+  t.log_every = 20
+  t.checkpoint_every = 200
+  t.keep_checkpoints = 3
+  t.eval_every = 0  # 0: evaluate only at the end.
+  t.eval_batches = 8
+  t.peak_flops_per_device = 0.0  # for MFU; 0: spec sheet, or measured on CPU.
+
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.data = -1  # -1: all devices not used by the other axes.
+  ms.fsdp = 1
+  ms.tensor = 1
+
+  c.eval = e = ml_collections.ConfigDict()
+  e.num_batches = 16
+  e.time_samples = 4  # Monte Carlo t samples per sequence for the NELBO.
+  e.seed = 1234
+  return c
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field."""
+
+
+def _check(cond: bool, field: str, msg: str):
+  if not cond:
+    raise ConfigError(f"config.{field}: {msg}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Raises ConfigError naming the first bad field; returns the config."""
+  _check(c.objective in OBJECTIVES, "objective", f"must be one of {OBJECTIVES}, got {c.objective!r}")
+  m = c.model
+  for f in ("num_layers", "embed_dim", "num_heads", "mlp_dim"):
+    _check(isinstance(m[f], int) and m[f] > 0, f"model.{f}", f"must be a positive int, got {m[f]!r}")
+  _check(m.vocab_size == -1 or m.vocab_size > 4, "model.vocab_size", f"must be -1 or > 4, got {m.vocab_size}")
+  if m.head_dim == -1:
+    _check(m.embed_dim % m.num_heads == 0, "model.embed_dim",
+           f"{m.embed_dim} is not divisible by model.num_heads={m.num_heads}")
+  else:
+    _check(m.head_dim > 0, "model.head_dim", f"must be -1 or positive, got {m.head_dim}")
+  hd = m.head_dim if m.head_dim != -1 else m.embed_dim // m.num_heads
+  _check(hd % 2 == 0, "model.head_dim", f"RoPE needs an even head dim, got {hd}")
+  _check(m.mlp in MLPS, "model.mlp", f"must be one of {MLPS}, got {m.mlp!r}")
+  _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
+  _check(m.attention in ATTENTION, "model.attention", f"must be one of {ATTENTION}, got {m.attention!r}")
+  _check(m.rope_theta > 0, "model.rope_theta", "must be positive")
+  if c.objective == "ar":
+    _check(m.causal, "model.causal", "objective 'ar' needs a causal model (set model.causal=True)")
+    _check(not m.time_conditioning, "model.time_conditioning", "an AR model has no diffusion time")
+  else:
+    _check(not m.causal, "model.causal", "objective 'mdlm' needs a bidirectional model (model.causal=False)")
+
+  d = c.diffusion
+  _check(d.schedule in SCHEDULES, "diffusion.schedule", f"must be one of {SCHEDULES}, got {d.schedule!r}")
+  _check(0 < d.eps < 1, "diffusion.eps", f"must be in (0, 1), got {d.eps}")
+  _check(0 <= d.sampling_eps < 1, "diffusion.sampling_eps", f"must be in [0, 1), got {d.sampling_eps}")
+
+  dt = c.data
+  _check(isinstance(dt.corpus, str) and dt.corpus, "data.corpus", "must be 'stdlib' or a path")
+  _check(0 < dt.validation_fraction < 1, "data.validation_fraction", f"must be in (0, 1), got {dt.validation_fraction}")
+  _check(dt.seq_len >= 8, "data.seq_len", f"must be >= 8, got {dt.seq_len}")
+  _check(dt.batch_size > 0, "data.batch_size", f"must be positive, got {dt.batch_size}")
+  _check(dt.tokenizer_vocab_size >= 300, "data.tokenizer_vocab_size",
+         f"must be >= 300 (256 byte pieces + specials + merges), got {dt.tokenizer_vocab_size}")
+
+  o = c.optim
+  _check(o.learning_rate > 0, "optim.learning_rate", f"must be positive, got {o.learning_rate}")
+  _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+  _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+  _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+  _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1", "b1 and b2 must be in [0, 1)")
+  _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
+  _check(isinstance(o.grad_accum_steps, int) and o.grad_accum_steps >= 1, "optim.grad_accum_steps", "must be an int >= 1")
+  _check(0 <= o.ema_decay < 1, "optim.ema_decay", f"must be in [0, 1), got {o.ema_decay}")
+
+  t = c.train
+  _check(t.num_steps > 0, "train.num_steps", f"must be positive, got {t.num_steps}")
+  _check(t.log_every > 0, "train.log_every", "must be positive")
+  _check(t.checkpoint_every > 0, "train.checkpoint_every", "must be positive")
+  _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+  _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
+
+  for ax in ("data", "fsdp", "tensor"):
+    v = c.mesh[ax]
+    _check(v == -1 or v >= 1, f"mesh.{ax}", f"must be -1 or a positive int, got {v}")
+  _check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh", "at most one axis may be -1")
+  _check(c.eval.time_samples >= 1, "eval.time_samples", "must be >= 1")
+  _check(c.eval.num_batches >= 1, "eval.num_batches", "must be >= 1")
+  return c

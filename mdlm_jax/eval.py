@@ -1,0 +1,71 @@
+"""python -m mdlm_jax.eval --checkpoint=DIR [--data=PATH] [--json]
+
+NELBO / perplexity bound of an MDLM checkpoint (Monte Carlo over t, seeded),
+or the exact perplexity of an AR checkpoint, on the validation split of the
+training corpus or on the documents at --data.
+"""
+
+import json
+import sys
+
+from absl import app, flags, logging
+
+from mdlm_jax import cli
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "workdir, checkpoints/ folder or step folder")
+_DATA = flags.DEFINE_string("data", None, "folder, glob or .jsonl to evaluate on (default: validation split)")
+_TEXT_FIELD = flags.DEFINE_string("text_field", None, "jsonl text field (default: the training config's)")
+_NUM_BATCHES = flags.DEFINE_integer("num_batches", None, "batches to evaluate (default: config.eval.num_batches)")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "sequences per batch (default: config.data.batch_size)")
+_TIME_SAMPLES = flags.DEFINE_integer("time_samples", None, "MC samples of t per sequence (MDLM only)")
+_SEED = flags.DEFINE_integer("seed", None, "seed of the t/mask draws (default: config.eval.seed)")
+_RAW = flags.DEFINE_bool("raw_params", False, "evaluate the raw params instead of the EMA")
+_JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a sentence")
+flags.mark_flag_as_required("checkpoint")
+
+
+def run(checkpoint_path, data_path=None, text_field=None, num_batches=None, batch_size=None,
+        time_samples=None, seed=None, raw_params=False) -> dict:
+  from mdlm_jax import builder, data, evaluation, objectives
+  loaded = builder.load(checkpoint_path, use_ema=not raw_params)
+  c = loaded.config
+  text_field = text_field or c.data.text_field
+  if data_path:
+    docs = data.load_all_documents(data_path, text_field)
+  else:
+    docs = data.load_documents(c.data.corpus, "validation", c.data.validation_fraction, text_field)
+  for name, v in (("num_batches", num_batches), ("batch_size", batch_size), ("time_samples", time_samples)):
+    if v is not None and v < 1:
+      raise ValueError(f"--{name} must be >= 1, got {v}")
+  batches = data.make_eval_batches(docs, loaded.tokenizer, seq_len=c.data.seq_len,
+                                   batch_size=batch_size or c.data.batch_size,
+                                   num_batches=num_batches or c.eval.num_batches)
+  objective = objectives.from_config(c, loaded.tokenizer.mask_id)
+  res = evaluation.evaluate(loaded.spec, objective, loaded.params, batches,
+                            time_samples=time_samples or c.eval.time_samples,
+                            seed=c.eval.seed if seed is None else seed)
+  res.update({"checkpoint": checkpoint_path, "step": loaded.step, "objective": c.objective,
+              "data": data_path or f"{c.data.corpus} (validation)",
+              "params": "raw" if raw_params or not loaded.has_ema else "ema"})
+  return res
+
+
+def main(argv):
+  if len(argv) > 1:
+    cli.fail("eval", ValueError(f"unexpected arguments {argv[1:]}"))
+  logging.set_verbosity(logging.WARNING)
+  try:
+    res = run(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value, _BATCH_SIZE.value,
+              _TIME_SAMPLES.value, _SEED.value, _RAW.value)
+  except cli.USER_ERRORS as e:
+    cli.fail("eval", e)
+  from mdlm_jax import evaluation
+  if _JSON.value:
+    print(json.dumps(res))
+  else:
+    print(f"{res['objective']} step {res['step']} ({res['params']} params) on {res['data']}: "
+          f"{evaluation.describe(res)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,56 @@
+"""Model FLOPs per token and the hardware peak they are compared against (MFU)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from mdlm_jax.model import ModelConfig
+
+# Dense bf16 peaks (FLOP/s) per chip for the accelerators we run on.
+KNOWN_PEAKS = {
+    "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6": 918e12,
+}
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Matmul FLOPs of one forward pass per token (attention scores included)."""
+  d, h, hd, m = cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, cfg.mlp_dim
+  n_mlp = 3 if cfg.mlp == "swiglu" else 2
+  per_layer = 2 * (4 * d * h * hd + n_mlp * d * m) + 2 * 2 * seq_len * h * hd
+  return cfg.num_layers * per_layer + 2 * d * cfg.vocab_size
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  return 3.0 * forward_flops_per_token(cfg, seq_len)
+
+
+def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, seconds: float = 1.0) -> float:
+  """Achieved FLOP/s of a large square matmul on the default device."""
+  key = jax.random.PRNGKey(0)
+  a = jax.random.normal(key, (n, n), dtype)
+  b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype)
+  f = jax.jit(lambda a, b: a @ b)
+  f(a, b).block_until_ready()
+  reps, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds or reps < 3:
+    f(a, b).block_until_ready()
+    reps += 1
+  return 2.0 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+def device_peak_flops(measure_if_unknown: bool = True) -> float:
+  """Per-device peak: the spec sheet for known accelerators, else measured."""
+  kind = jax.devices()[0].device_kind
+  for name, peak in KNOWN_PEAKS.items():
+    if name.lower() in kind.lower():
+      return peak
+  if not measure_if_unknown:
+    return float("nan")
+  if jax.default_backend() == "cpu":
+    # All CPU "devices" share the same cores: the peak is the machine's.
+    return measure_matmul_peak() / len(jax.devices())
+  return measure_matmul_peak(n=4096, dtype=jnp.bfloat16)

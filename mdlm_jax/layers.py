@@ -1,0 +1,125 @@
+"""Transformer building blocks with logical axis names on every parameter."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from mdlm_jax import kernels
+from mdlm_jax.precision import PARAM_DTYPE, STATS_DTYPE
+from mdlm_jax.sharding import constrain
+
+
+def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None]) -> nnx.Param:
+  """A float32 parameter tagged with the logical names of its axes."""
+  if len(shape) != len(names):
+    raise ValueError(f"shape {shape} and logical axes {names} differ in rank")
+  return nnx.Param(init(rngs.params(), tuple(shape), PARAM_DTYPE), logical_axes=tuple(names))
+
+
+def fan_in_init(fan_in: int):
+  return nnx.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+
+  def __call__(self, x):
+    xf = x.astype(STATS_DTYPE)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: Float[Array, "b l h d"], positions: Int[Array, "b l"], theta: float):
+  """Rotary position embedding (rotate-half layout), computed in float32."""
+  d = x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angles = positions[..., None].astype(jnp.float32) * freqs  # [b, l, d/2]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
+               attention_impl: str, dtype, rngs: nnx.Rngs):
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.rope_theta, self.attention_impl, self.dtype = rope_theta, attention_impl, dtype
+    init = fan_in_init(embed_dim)
+    self.wq = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
+    self.wk = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
+    self.wv = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
+    self.wo = param(rngs, fan_in_init(num_heads * head_dim), (num_heads, head_dim, embed_dim),
+                    ("heads", "kv", "embed"))
+
+  def __call__(self, x, positions, *, causal: bool, mask=None):
+    dt = self.dtype
+    q = jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dt))
+    k = jnp.einsum("bld,dhk->blhk", x, self.wk[...].astype(dt))
+    v = jnp.einsum("bld,dhk->blhk", x, self.wv[...].astype(dt))
+    q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "act_heads", None))
+    k = constrain(rope(k, positions, self.rope_theta), ("batch", "length", "act_heads", None))
+    v = constrain(v, ("batch", "length", "act_heads", None))
+    o = kernels.attention(q, k, v, causal=causal, mask=mask, implementation=self.attention_impl)
+    return jnp.einsum("blhk,hkd->bld", o, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs):
+    self.kind, self.dtype = kind, dtype
+    init = fan_in_init(embed_dim)
+    if kind == "swiglu":
+      self.w_gate = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
+    self.w_up = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
+    self.w_down = param(rngs, fan_in_init(mlp_dim), (mlp_dim, embed_dim), ("mlp", "embed"))
+
+  def __call__(self, x):
+    dt = self.dtype
+    up = x @ self.w_up[...].astype(dt)
+    if self.kind == "swiglu":
+      h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * up
+    else:
+      h = jax.nn.gelu(up)
+    h = constrain(h, ("batch", "length", "act_mlp"))
+    return h @ self.w_down[...].astype(dt)
+
+
+class Modulation(nnx.Module):
+  """adaLN: shift/scale/gate vectors from the time embedding, zero-initialised
+  so a time-conditioned model starts as the unconditioned one (DiT, MDLM)."""
+
+  def __init__(self, cond_dim: int, embed_dim: int, n: int, *, rngs: nnx.Rngs):
+    self.n = n
+    self.w = param(rngs, nnx.initializers.zeros, (cond_dim, n, embed_dim), ("cond", None, "embed"))
+    self.b = param(rngs, nnx.initializers.zeros, (n, embed_dim), (None, "embed"))
+
+  def __call__(self, cond):
+    out = jnp.einsum("bc,cnd->bnd", cond, self.w[...].astype(cond.dtype)) + self.b[...].astype(cond.dtype)
+    return [out[:, None, i, :] for i in range(self.n)]  # each [b, 1, d]
+
+
+class TimeEmbedding(nnx.Module):
+  """Sinusoidal features of t in [0, 1] followed by a 2-layer MLP."""
+
+  def __init__(self, cond_dim: int, *, freq_dim: int = 256, rngs: nnx.Rngs):
+    self.freq_dim = freq_dim
+    self.w1 = param(rngs, fan_in_init(freq_dim), (freq_dim, cond_dim), (None, "cond"))
+    self.b1 = param(rngs, nnx.initializers.zeros, (cond_dim,), ("cond",))
+    self.w2 = param(rngs, fan_in_init(cond_dim), (cond_dim, cond_dim), (None, "cond"))
+    self.b2 = param(rngs, nnx.initializers.zeros, (cond_dim,), ("cond",))
+
+  def __call__(self, t: Float[Array, "b"]):
+    half = self.freq_dim // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = (t.astype(jnp.float32) * 1000.0)[:, None] * freqs[None]
+    emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+    h = jax.nn.silu(emb @ self.w1[...] + self.b1[...])
+    return h @ self.w2[...] + self.b2[...]

@@ -1,0 +1,136 @@
+"""The transformer: bidirectional for masked diffusion, causal for the AR twin.
+
+One module serves both objectives so that the comparison between them is
+about the objective and the decoding, never about the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from mdlm_jax.layers import MLP, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
+from mdlm_jax.precision import LOGITS_DTYPE, compute_dtype
+from mdlm_jax.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  num_layers: int
+  embed_dim: int
+  num_heads: int
+  mlp_dim: int
+  head_dim: int = -1
+  mlp: str = "swiglu"
+  causal: bool = False
+  time_conditioning: bool = False
+  cond_dim: int = 128
+  tie_embeddings: bool = True
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  dtype: str = "float32"
+  attention: str = "xla"
+  remat: bool = False
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim != -1 else self.embed_dim // self.num_heads
+
+  @classmethod
+  def from_config(cls, m: ml_collections.ConfigDict, vocab_size: int | None = None) -> "ModelConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in m.to_dict().items() if k in fields}
+    if vocab_size is not None:
+      kw["vocab_size"] = vocab_size
+    if kw.get("vocab_size", -1) <= 0:
+      raise ValueError("model.vocab_size is unset; pass the tokenizer's vocabulary size")
+    return cls(**kw)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dt = compute_dtype(cfg.dtype)
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, rope_theta=cfg.rope_theta,
+                          attention_impl=cfg.attention, dtype=dt, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
+    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs)
+    self.modulation = Modulation(cfg.cond_dim, cfg.embed_dim, 6, rngs=rngs) if cfg.time_conditioning else None
+
+  def __call__(self, x, positions, cond, *, causal: bool, mask=None):
+    if self.modulation is None:
+      x = x + self.attn(self.attn_norm(x), positions, causal=causal, mask=mask)
+      x = constrain(x, ("batch", "length", "act_embed"))
+      x = x + self.mlp(self.mlp_norm(x))
+    else:
+      sh1, sc1, g1, sh2, sc2, g2 = (m.astype(x.dtype) for m in self.modulation(cond))
+      h = self.attn_norm(x) * (1 + sc1) + sh1
+      x = x + g1 * self.attn(h, positions, causal=causal, mask=mask)
+      x = constrain(x, ("batch", "length", "act_embed"))
+      x = x + g2 * self.mlp(self.mlp_norm(x) * (1 + sc2) + sh2)
+    return constrain(x, ("batch", "length", "act_embed"))
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embedding = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.embed_dim),
+                           ("vocab", "embed"))
+    self.time_embedding = TimeEmbedding(cfg.cond_dim, rngs=rngs) if cfg.time_conditioning else None
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
+    self.final_modulation = (Modulation(cfg.cond_dim, cfg.embed_dim, 2, rngs=rngs)
+                             if cfg.time_conditioning else None)
+    self.head = (None if cfg.tie_embeddings else
+                 param(rngs, fan_in_init(cfg.embed_dim), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab")))
+
+  def hidden_states(self, tokens: Int[Array, "b l"], t: Float[Array, "b"] | None = None,
+                    positions: Int[Array, "b l"] | None = None, mask=None):
+    """Final normalised hidden states [b, l, d] in the compute dtype."""
+    cfg = self.cfg
+    dt = compute_dtype(cfg.dtype)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
+    x = constrain(x, ("batch", "length", "act_embed"))
+    cond = None
+    if self.time_embedding is not None:
+      if t is None:
+        raise ValueError("this model is time-conditioned: pass t")
+      cond = jax.nn.silu(self.time_embedding(t))
+
+    def run_block(block, x):
+      return block(x, positions, cond, causal=cfg.causal, mask=mask)
+
+    if cfg.remat:
+      run_block = nnx.remat(run_block)
+    for block in self.blocks:
+      x = run_block(block, x)
+    x = self.final_norm(x)
+    if self.final_modulation is not None:
+      shift, scale = (m.astype(x.dtype) for m in self.final_modulation(cond))
+      x = x * (1 + scale) + shift
+    return x
+
+  def output_embedding(self) -> Float[Array, "d v"]:
+    return self.embedding[...].T if self.head is None else self.head[...]
+
+  def logits(self, hidden: Float[Array, "b l d"]) -> Float[Array, "b l v"]:
+    w = self.output_embedding()
+    if self.head is None:
+      hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
+    out = jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=LOGITS_DTYPE)
+    return constrain(out, ("batch", "length", "act_vocab"))
+
+  def __call__(self, tokens, t=None, positions=None, mask=None) -> Float[Array, "b l v"]:
+    return self.logits(self.hidden_states(tokens, t, positions, mask))
+
+
+def count_params(model: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

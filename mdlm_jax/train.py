@@ -1,0 +1,28 @@
+"""python -m mdlm_jax.train --config=configs/NAME.py --workdir=DIR [--config.x=y ...]
+
+Trains an MDLM (or its AR twin), resuming from DIR when it holds a checkpoint.
+"""
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from mdlm_jax import cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/NAME.py)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    cli.fail("train", ValueError(f"unexpected arguments {argv[1:]}"))
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  from mdlm_jax import trainer
+  try:
+    trainer.train(_CONFIG.value, _WORKDIR.value)
+  except cli.USER_ERRORS as e:
+    cli.fail("train", e)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,295 @@
+"""The training loop: one jit-compiled step under a mesh, EMA, accumulation,
+progress, metrics, atomic checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from mdlm_jax import checkpoint, config as config_lib, data, evaluation, flops, objectives, sharding
+from mdlm_jax.builder import ModelSpec, bind, init_params, model_spec
+from mdlm_jax.metrics import MetricsLog, format_duration, plot_loss_curve
+from mdlm_jax.model import ModelConfig
+from mdlm_jax.tokenizer import Tokenizer, train_tokenizer
+
+
+def log(msg: str):
+  if jax.process_index() == 0:
+    print(msg, flush=True)
+
+
+def make_optimizer(o: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+  warmup = min(o.warmup_steps, max(num_steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0 if warmup else o.learning_rate, peak_value=o.learning_rate, warmup_steps=warmup,
+      decay_steps=max(num_steps, warmup + 1), end_value=o.learning_rate * o.min_lr_ratio)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+  chain = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+  return optax.chain(*chain, adamw), schedule
+
+
+def ema_decay_at(decay: float, step):
+  """Debiased EMA: follows the params closely early, then `decay`."""
+  return jnp.minimum(decay, (1.0 + step) / (10.0 + step))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  accum_steps: int
+  ema_decay: float
+
+
+def make_train_step(spec: ModelSpec, objective, optimizer, sc: StepConfig):
+  """Returns step(weights, train, tokens, key) -> (weights, train, metrics)."""
+
+  def loss_sum(params, tokens, key):
+    return objective(bind(spec, params), tokens, key)
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def step(weights, train, tokens, key):
+    params = weights["params"]
+    key = jax.random.fold_in(key, train["step"])
+    if sc.accum_steps == 1:
+      (total, count), grads = grad_fn(params, tokens, key)
+    else:
+      micro = tokens.reshape(sc.accum_steps, -1, tokens.shape[-1])
+      micro = sharding.constrain(micro, (None, "batch", "length"))
+
+      def body(carry, xs):
+        i, mb = xs
+        g_acc, s_acc, n_acc = carry
+        (s, n), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+        return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, n_acc + n), None
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      (grads, total, count), _ = jax.lax.scan(
+          body, (zeros, jnp.zeros(()), jnp.zeros(())), (jnp.arange(sc.accum_steps), micro))
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = optimizer.update(grads, train["opt_state"], params)
+    params = optax.apply_updates(params, updates)
+    new_weights = {"params": params}
+    if "ema" in weights:
+      d = ema_decay_at(sc.ema_decay, train["step"].astype(jnp.float32))
+      new_weights["ema"] = jax.tree.map(lambda e, p: d * e + (1 - d) * p, weights["ema"], params)
+    metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads)}
+    return new_weights, {"step": train["step"] + 1, "opt_state": opt_state}, metrics
+
+  return step
+
+
+class Stop:
+  """Turns SIGINT/SIGTERM into a flag the loop checks between steps, so the
+  checkpoint written on the way out is always of a completed step."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.requested:  # a second Ctrl-C exits at once
+      raise KeyboardInterrupt
+    self.requested = True
+    log(f"\nsignal {signum}: finishing the current step, saving a checkpoint, then exiting")
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None) -> Tokenizer:
+  if resumed_meta is not None:
+    return Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(resumed_meta))
+  if config.data.tokenizer:
+    if not os.path.isfile(config.data.tokenizer):
+      raise FileNotFoundError(f"config.data.tokenizer: no such file {config.data.tokenizer}")
+    return Tokenizer.from_file(config.data.tokenizer)
+  path = os.path.join(workdir, "tokenizer.model")
+  if os.path.isfile(path):
+    return Tokenizer.from_file(path)
+  log(f"training a {config.data.tokenizer_vocab_size}-piece sentencepiece tokenizer -> {path}")
+  t0 = time.time()
+  tok = train_tokenizer(train_docs, path, config.data.tokenizer_vocab_size, config.data.tokenizer_max_chars)
+  log(f"tokenizer trained in {time.time() - t0:.1f}s")
+  return tok
+
+
+def check_batch_layout(config, mesh) -> None:
+  b, accum = config.data.batch_size, config.optim.grad_accum_steps
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if b % accum:
+    raise config_lib.ConfigError(f"config.data.batch_size={b} is not divisible by optim.grad_accum_steps={accum}")
+  if (b // accum) % shards:
+    raise config_lib.ConfigError(
+        f"config.data.batch_size={b} / grad_accum_steps={accum} is not divisible by the"
+        f" {shards} batch shards of the mesh (data x fsdp)")
+  if b % jax.process_count():
+    raise config_lib.ConfigError(f"config.data.batch_size={b} is not divisible by {jax.process_count()} processes")
+
+
+def _same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
+  cur = json.loads(current.to_json_best_effort())
+  for k, v in cur["model"].items():
+    if saved["model"].get(k) != v:
+      raise checkpoint.CheckpointError(
+          f"the workdir's checkpoint has model.{k}={saved['model'].get(k)!r} but the config says {v!r};"
+          " use a new --workdir or the same model config")
+  if saved.get("objective") != cur["objective"]:
+    raise checkpoint.CheckpointError(f"the workdir's checkpoint was trained with objective"
+                                     f" {saved.get('objective')!r}, the config says {cur['objective']!r}")
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains (or resumes) in `workdir`; returns the final metrics."""
+  config_lib.validate(config)
+  os.makedirs(workdir, exist_ok=True)
+  is_main = jax.process_index() == 0
+  mesh = sharding.make_mesh(config.mesh)
+  check_batch_layout(config, mesh)
+  ckpt = checkpoint.Checkpointer(workdir, every=config.train.checkpoint_every,
+                                 keep=config.train.keep_checkpoints)
+  resumed_meta = None
+  if ckpt.latest_step() is not None:
+    resumed_meta = checkpoint.read_meta(workdir)[0]
+    _same_model(resumed_meta["config"], config)
+
+  train_docs = data.load_documents(config.data.corpus, "train", config.data.validation_fraction,
+                                   config.data.text_field)
+  tokenizer = setup_tokenizer(config, workdir, train_docs, resumed_meta)
+  cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
+  if config.model.vocab_size not in (-1, tokenizer.vocab_size):
+    raise config_lib.ConfigError(f"config.model.vocab_size={config.model.vocab_size} but the tokenizer has"
+                                 f" {tokenizer.vocab_size} pieces; use -1 to take the tokenizer's")
+  spec = model_spec(cfg, mesh)
+  objective = objectives.from_config(config, tokenizer.mask_id)
+  optimizer, lr_schedule = make_optimizer(config.optim, config.train.num_steps)
+  use_ema = config.optim.ema_decay > 0
+  meta = checkpoint.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
+
+  local_batch = config.data.batch_size // jax.process_count()
+  it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
+                                seed=config.data.shuffle_seed, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+  with jax.set_mesh(mesh):
+    params = init_params(spec, config.seed)
+    weights = {"params": params}
+    if use_ema:
+      weights["ema"] = jax.tree.map(jnp.copy, params)
+    opt_state = jax.jit(optimizer.init)(params)
+    train_state = {"step": jnp.zeros((), jnp.int32), "opt_state": opt_state}
+    if resumed_meta is not None:
+      w_abs = checkpoint.abstract_like(weights)
+      t_abs = checkpoint.abstract_like(train_state)
+      del weights, train_state, params, opt_state
+      weights, train_state, data_state, _ = ckpt.restore(w_abs, t_abs)
+      it.set_state(data_state)
+    step = int(train_state["step"])
+    if resumed_meta is not None:
+      log(f"resumed from {workdir} at step {step}")
+
+    out_shardings = (jax.tree.map(lambda x: x.sharding, weights), jax.tree.map(lambda x: x.sharding, train_state),
+                     None)
+    step_fn = jax.jit(make_train_step(spec, objective, optimizer,
+                                      StepConfig(config.optim.grad_accum_steps, config.optim.ema_decay)),
+                      out_shardings=out_shardings, donate_argnums=(0, 1))
+    batch_sharding = sharding.batch_sharding(mesh)
+    base_key = jax.random.PRNGKey(config.seed)
+
+    n_params = sum(x.size for x in jax.tree.leaves(params if resumed_meta is None else weights["params"]))
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    flops_per_step = flops.train_flops_per_token(cfg, config.data.seq_len) * tokens_per_step
+    peak = config.train.peak_flops_per_device or flops.device_peak_flops()
+    peak_total = peak * jax.device_count()
+    log(f"model: {n_params / 1e6:.2f}M params, objective {config.objective}, vocab {cfg.vocab_size},"
+        f" mesh {dict(mesh.shape)}, {tokens_per_step} tokens/step, peak {peak_total / 1e9:.0f} GFLOP/s")
+
+    metrics_log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), enabled=is_main)
+    png = os.path.join(workdir, "loss.png")
+    eval_docs = None
+    eval_batches = None
+
+    def run_eval(step: int) -> dict:
+      nonlocal eval_docs, eval_batches
+      if eval_batches is None:
+        eval_docs = data.load_documents(config.data.corpus, "validation", config.data.validation_fraction,
+                                        config.data.text_field)
+        eval_batches = data.make_eval_batches(eval_docs, tokenizer, seq_len=config.data.seq_len,
+                                              batch_size=config.data.batch_size,
+                                              num_batches=config.train.eval_batches)
+      p = weights["ema"] if use_ema else weights["params"]
+      res = evaluation.evaluate(spec, objective, p, eval_batches, time_samples=config.eval.time_samples,
+                                seed=config.eval.seed, mesh=mesh)
+      log(f"eval step {step}: {evaluation.describe(res)}")
+      metrics_log.write({"kind": "eval", "step": step, **res})
+      return res
+
+    def save(step: int):
+      ckpt.save(step, weights, train_state, it.get_state(), meta)
+
+    last = {}
+    t_last, step_last = time.perf_counter(), step
+    t_start, step_start = t_last, step
+    compiled_at = None
+    with Stop() as stop:
+      while step < config.train.num_steps and not stop.requested:
+        batch = next(it)["tokens"]
+        tokens = jax.make_array_from_process_local_data(batch_sharding, np.asarray(batch, np.int32))
+        weights, train_state, m = step_fn(weights, train_state, tokens, base_key)
+        step += 1
+        if compiled_at is None:
+          jax.block_until_ready(m)
+          compiled_at = step
+          t_last, step_last = time.perf_counter(), step
+          t_start, step_start = t_last, step
+          log(f"step {step}: compiled and ran the first step")
+        if step % config.train.log_every == 0 or step == config.train.num_steps:
+          m = jax.device_get(m)
+          now = time.perf_counter()
+          n = step - step_last
+          dt = max(now - t_last, 1e-9)
+          tps = n * tokens_per_step / dt if n else float("nan")
+          mfu = n * flops_per_step / dt / peak_total if n else float("nan")
+          rate = (step - step_start) / max(now - t_start, 1e-9)
+          eta = (config.train.num_steps - step) / rate if rate > 0 else float("nan")
+          loss = float(m["loss"])
+          last = {"kind": "train", "step": step, "loss": loss, "bits_per_token": loss / math.log(2),
+                  "grad_norm": float(m["grad_norm"]), "lr": float(lr_schedule(step - 1)),
+                  "tokens_per_s": tps, "mfu": mfu}
+          metrics_log.write(last)
+          log(f"step {step:>6}/{config.train.num_steps}  loss {loss:.4f}  {last['bits_per_token']:.3f} bits/tok"
+              f"  |g| {last['grad_norm']:.2f}  lr {last['lr']:.2e}  {tps:,.0f} tok/s  MFU {100 * mfu:.1f}%"
+              f"  ETA {format_duration(eta) if eta == eta else '?'}")
+          if is_main:
+            plot_loss_curve(metrics_log.read(), png, title=f"{config.objective} training")
+          t_last, step_last = now, step
+        if ckpt.should_save(step):
+          save(step)
+        if config.train.eval_every and step % config.train.eval_every == 0:
+          run_eval(step)
+      save(step)
+      if stop.requested:
+        log(f"saved checkpoint at step {step} in {workdir}; run the same command to resume")
+        ckpt.close()
+        return {"interrupted": True, "step": step, **last}
+    final = run_eval(step)
+    if is_main:
+      plot_loss_curve(metrics_log.read(), png, title=f"{config.objective} training")
+    ckpt.close()
+    return {"step": step, "train": last, "eval": final}

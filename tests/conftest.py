@@ -1,0 +1,39 @@
+"""Test setup: four host CPU devices so sharded code runs on one machine."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=4").strip()
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_path(tmp_path_factory):
+  """One small sentencepiece model on stdlib text, shared by the training tests."""
+  from mdlm_jax import data
+  from mdlm_jax.tokenizer import train_tokenizer
+  path = str(tmp_path_factory.mktemp("tok") / "tiny.model")
+  docs = data.load_documents("stdlib", "train", 0.05)
+  train_tokenizer(docs, path, vocab_size=512, max_chars=1_000_000)
+  return path
+
+
+@pytest.fixture
+def tiny_config(tiny_tokenizer_path):
+  c = load_config("tiny")
+  c.data.tokenizer = tiny_tokenizer_path
+  return c
