@@ -64,7 +64,12 @@ class LoadedModel:
 
 
 def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
-  """Loads a training checkpoint (EMA weights when present) for inference."""
+  """Loads a training checkpoint (EMA weights when present) for inference.
+
+  The checkpoint may come from any mesh; it is resharded onto `mesh` (by
+  default one device)."""
+  if mesh is None:
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   meta, root, step = checkpoint.read_meta(path)
   config = checkpoint.meta_config(meta)
   tokenizer = Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(meta))

@@ -131,12 +131,16 @@ def read_meta(path: str) -> tuple[dict, str, int]:
 def restore_weights(root: str, step: int, abstract_weights: Any):
   """Restores only the `weights` item ({params, ema}) for inference."""
   path = os.path.join(root, str(step), "weights")
+  ckptr = ocp.StandardCheckpointer()
   try:
-    with ocp.StandardCheckpointer() as ckptr:
-      return ckptr.restore(path, abstract_weights)
+    out = ckptr.restore(path, abstract_weights)
   except Exception as e:
+    # Not closed on failure: closing cancels orbax's pending reads, whose
+    # threads then print tracebacks over our one-line error.
     raise CheckpointError(f"checkpoint {path}: weights unreadable or of another shape"
                           f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+  ckptr.close()
+  return out
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:

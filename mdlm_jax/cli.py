@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from mdlm_jax.checkpoint import CheckpointError
@@ -11,5 +12,23 @@ USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError, ValueError)
 
 
 def fail(prog: str, err: BaseException, code: int = 2):
+  """Prints `prog: error: message` and exits at once: after a failed read,
+  orbax's background threads would otherwise print tracebacks at shutdown."""
   print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-  sys.exit(code)
+  sys.stdout.flush()
+  os._exit(code)
+
+
+def drop_closed_loop_noise() -> None:
+  """After a failed orbax read, its worker threads report 'Event loop is
+  closed' through sys.unraisablehook; that says nothing to the user, whose
+  error we print ourselves. Every other unraisable exception still shows."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
+      return
+    previous(unraisable)
+
+  sys.unraisablehook = hook

@@ -58,10 +58,17 @@ class Schedule:
     return -(1.0 - e) * 0.5 * jnp.pi * jnp.sin(0.5 * jnp.pi * t)
 
   def weight(self, t):
-    """-alpha'(t) / (1 - alpha(t)), positive for t in (0, 1]."""
+    """-alpha'(t) / (1 - alpha(t)), positive for t in (0, 1].
+
+    1 - alpha(t) is written without cancellation so that the weight stays
+    accurate in float32 near t = sampling_eps, where it is largest."""
+    e = self.eps
     if self.kind == "loglinear":
-      return 1.0 / t  # exact form avoids cancellation near t = 0
-    return -self.dalpha(t) / (1.0 - self.alpha(t))
+      return 1.0 / t
+    if self.kind == "linear":
+      return -math.log(e) * jnp.exp(t * math.log(e)) / -jnp.expm1(t * math.log(e))
+    one_minus_alpha = (1.0 - e) * 2.0 * jnp.sin(0.25 * jnp.pi * t) ** 2
+    return -self.dalpha(t) / one_minus_alpha
 
 
 def sample_times(key: jax.Array, batch: int, *, antithetic: bool = True,
@@ -70,7 +77,8 @@ def sample_times(key: jax.Array, batch: int, *, antithetic: bool = True,
   which lowers the variance of the batch NELBO without biasing it."""
   u = jax.random.uniform(key, (batch,), dtype=jnp.float32)
   if antithetic:
-    u = (u / batch + jnp.arange(batch, dtype=jnp.float32) / batch) % 1.0
+    # (i + u) / B, kept below 1 so float rounding never wraps a draw to t = 0.
+    u = jnp.minimum((jnp.arange(batch, dtype=jnp.float32) + u) / batch, 1.0 - 2.0 ** -24)
   return (1.0 - sampling_eps) * u + sampling_eps
 
 

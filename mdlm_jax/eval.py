@@ -53,7 +53,8 @@ def run(checkpoint_path, data_path=None, text_field=None, num_batches=None, batc
 def main(argv):
   if len(argv) > 1:
     cli.fail("eval", ValueError(f"unexpected arguments {argv[1:]}"))
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  cli.drop_closed_loop_noise()
   try:
     res = run(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value, _BATCH_SIZE.value,
               _TIME_SAMPLES.value, _SEED.value, _RAW.value)

@@ -93,8 +93,10 @@ class MLP(nnx.Module):
 
 
 class Modulation(nnx.Module):
-  """adaLN: shift/scale/gate vectors from the time embedding, zero-initialised
-  so a time-conditioned model starts as the unconditioned one (DiT, MDLM)."""
+  """adaLN: shift/scale/gate vectors from the time embedding (DiT, MDLM).
+
+  Zero-initialised and applied as x * (1 + scale) + shift and (1 + gate), so
+  a time-conditioned model starts exactly as the unconditioned one."""
 
   def __init__(self, cond_dim: int, embed_dim: int, n: int, *, rngs: nnx.Rngs):
     self.n = n

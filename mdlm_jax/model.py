@@ -71,9 +71,9 @@ class Block(nnx.Module):
     else:
       sh1, sc1, g1, sh2, sc2, g2 = (m.astype(x.dtype) for m in self.modulation(cond))
       h = self.attn_norm(x) * (1 + sc1) + sh1
-      x = x + g1 * self.attn(h, positions, causal=causal, mask=mask)
+      x = x + (1 + g1) * self.attn(h, positions, causal=causal, mask=mask)
       x = constrain(x, ("batch", "length", "act_embed"))
-      x = x + g2 * self.mlp(self.mlp_norm(x) * (1 + sc2) + sh2)
+      x = x + (1 + g2) * self.mlp(self.mlp_norm(x) * (1 + sc2) + sh2)
     return constrain(x, ("batch", "length", "act_embed"))
 
 

@@ -17,6 +17,7 @@ def main(argv):
   if len(argv) > 1:
     cli.fail("train", ValueError(f"unexpected arguments {argv[1:]}"))
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  cli.drop_closed_loop_noise()
   from mdlm_jax import trainer
   try:
     trainer.train(_CONFIG.value, _WORKDIR.value)

@@ -283,13 +283,22 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           save(step)
         if config.train.eval_every and step % config.train.eval_every == 0:
           run_eval(step)
+      t_end = time.perf_counter()
       save(step)
       if stop.requested:
         log(f"saved checkpoint at step {step} in {workdir}; run the same command to resume")
         ckpt.close()
         return {"interrupted": True, "step": step, **last}
+    timed_steps, timed_s = step - step_start, t_end - t_start
+    throughput = {
+        "timed_steps": timed_steps, "seconds": timed_s,
+        "tokens_per_s": timed_steps * tokens_per_step / timed_s if timed_steps else float("nan"),
+        "mfu": timed_steps * flops_per_step / timed_s / peak_total if timed_steps else float("nan"),
+        "peak_flops": peak_total, "train_flops_per_token": flops_per_step / tokens_per_step,
+        "params": int(n_params),
+    }
     final = run_eval(step)
     if is_main:
       plot_loss_curve(metrics_log.read(), png, title=f"{config.objective} training")
     ckpt.close()
-    return {"step": step, "train": last, "eval": final}
+    return {"step": step, "train": last, "eval": final, "throughput": throughput}

@@ -1,0 +1,18 @@
+"""python -m mdlm_jax.bench {train} [--json] [options]"""
+
+import sys
+
+COMMANDS = {"train": "mdlm_jax.bench.train"}
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] not in COMMANDS:
+    print(f"usage: python -m mdlm_jax.bench {{{','.join(COMMANDS)}}} [--json] [options]", file=sys.stderr)
+    sys.exit(2)
+  import importlib
+  importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+  main()
