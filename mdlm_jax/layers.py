@@ -22,6 +22,13 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None
   return nnx.Param(init(rngs.params(), tuple(shape), PARAM_DTYPE), logical_axes=tuple(names))
 
 
+def dense(x2d, w2d, dtype):
+  """A matmul on [tokens, features]. Activations are flattened to 2-D before
+  every weight matmul: XLA:CPU runs the backward of a [b, l, d] x [d, m]
+  contraction at half the speed of the same product on [b * l, d]."""
+  return x2d.astype(dtype) @ w2d.astype(dtype)
+
+
 def fan_in_init(fan_in: int):
   return nnx.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
 
@@ -62,14 +69,17 @@ class Attention(nnx.Module):
 
   def __call__(self, x, positions, *, causal: bool, mask=None):
     dt = self.dtype
-    q = jnp.einsum("bld,dhk->blhk", x, self.wq[...].astype(dt))
-    k = jnp.einsum("bld,dhk->blhk", x, self.wk[...].astype(dt))
-    v = jnp.einsum("bld,dhk->blhk", x, self.wv[...].astype(dt))
+    b, l, d = x.shape
+    h, k = self.num_heads, self.head_dim
+    x2 = x.reshape(b * l, d)
+    q = dense(x2, self.wq[...].reshape(d, h * k), dt).reshape(b, l, h, k)
+    k_ = dense(x2, self.wk[...].reshape(d, h * k), dt).reshape(b, l, h, k)
+    v = dense(x2, self.wv[...].reshape(d, h * k), dt).reshape(b, l, h, k)
     q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "act_heads", None))
-    k = constrain(rope(k, positions, self.rope_theta), ("batch", "length", "act_heads", None))
+    k_ = constrain(rope(k_, positions, self.rope_theta), ("batch", "length", "act_heads", None))
     v = constrain(v, ("batch", "length", "act_heads", None))
-    o = kernels.attention(q, k, v, causal=causal, mask=mask, implementation=self.attention_impl)
-    return jnp.einsum("blhk,hkd->bld", o, self.wo[...].astype(dt))
+    o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
+    return dense(o.reshape(b * l, h * k), self.wo[...].reshape(h * k, d), dt).reshape(b, l, d)
 
 
 class MLP(nnx.Module):
@@ -83,13 +93,15 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = self.dtype
-    up = x @ self.w_up[...].astype(dt)
+    b, l, d = x.shape
+    x2 = x.reshape(b * l, d)
+    up = dense(x2, self.w_up[...], dt)
     if self.kind == "swiglu":
-      h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * up
+      h = jax.nn.silu(dense(x2, self.w_gate[...], dt)) * up
     else:
       h = jax.nn.gelu(up)
-    h = constrain(h, ("batch", "length", "act_mlp"))
-    return h @ self.w_down[...].astype(dt)
+    h = constrain(h.reshape(b, l, -1), ("batch", "length", "act_mlp")).reshape(b * l, -1)
+    return dense(h, self.w_down[...], dt).reshape(b, l, d)
 
 
 class Modulation(nnx.Module):

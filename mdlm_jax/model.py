@@ -125,8 +125,9 @@ class Transformer(nnx.Module):
     w = self.output_embedding()
     if self.head is None:
       hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
-    out = jnp.einsum("bld,dv->blv", hidden, w.astype(hidden.dtype), preferred_element_type=LOGITS_DTYPE)
-    return constrain(out, ("batch", "length", "act_vocab"))
+    b, l, d = hidden.shape
+    out = jnp.matmul(hidden.reshape(b * l, d), w.astype(hidden.dtype), preferred_element_type=LOGITS_DTYPE)
+    return constrain(out.reshape(b, l, -1), ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens, t=None, positions=None, mask=None) -> Float[Array, "b l v"]:
     return self.logits(self.hidden_states(tokens, t, positions, mask))

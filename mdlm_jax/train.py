@@ -18,7 +18,9 @@ def main(argv):
     cli.fail("train", ValueError(f"unexpected arguments {argv[1:]}"))
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   cli.drop_closed_loop_noise()
-  from mdlm_jax import trainer
+  from mdlm_jax import runtime, trainer
+  c = _CONFIG.value
+  runtime.split_cpu_into_devices(max(1, c.data.batch_size // max(1, c.optim.grad_accum_steps)))
   try:
     trainer.train(_CONFIG.value, _WORKDIR.value)
   except cli.USER_ERRORS as e:

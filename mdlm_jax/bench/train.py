@@ -49,8 +49,7 @@ def main(argv):
   a = parse(argv)
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  import jax
-  from mdlm_jax import flops, trainer
+  from mdlm_jax import runtime
 
   path = a.config or default_config_path()
   try:
@@ -58,12 +57,15 @@ def main(argv):
   except FileNotFoundError as e:
     print(f"bench train: error: {e}", file=sys.stderr)
     sys.exit(2)
+  if a.batch_size:
+    c.data.batch_size = a.batch_size
+  runtime.split_cpu_into_devices(c.data.batch_size // c.optim.grad_accum_steps)
+  import jax
+  from mdlm_jax import flops, trainer
   peaks = {n: flops.measure_matmul_peak(n) for n in (512, 1024, 2048)}
   peak = max(peaks.values())
   c.train.update(num_steps=a.steps + 1, log_every=a.log_every, checkpoint_every=10 ** 9, eval_every=0,
                  eval_batches=1, peak_flops_per_device=peak / jax.device_count())
-  if a.batch_size:
-    c.data.batch_size = a.batch_size
   with tempfile.TemporaryDirectory() as workdir:
     t0 = time.time()
     out = trainer.train(c, workdir)
