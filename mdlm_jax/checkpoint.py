@@ -3,7 +3,8 @@
 One orbax CheckpointManager step directory holds four items:
   weights: {params, ema} (sharded save/restore; all that inference reads);
   train:   {step, opt_state};
-  data:  the grain iterator state (JSON), so a resume sees the next batch;
+  data:    each process's grain iterator state (one JSON file per process),
+           so a resume sees the next batch;
   meta:  the config, the objective and the serialized tokenizer (JSON).
 Orbax writes each step to a temporary directory and renames it when complete,
 so a crash mid-save never leaves a half-written checkpoint behind.
@@ -16,6 +17,7 @@ import json
 import os
 from typing import Any
 
+import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
@@ -62,29 +64,31 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return step % self.every == 0
 
-  def save(self, step: int, weights: Any, train: Any, data_state: dict, meta: dict) -> None:
+  def save(self, step: int, weights: Any, train: Any, data_iter: grain.DatasetIterator, meta: dict) -> None:
     if step in self.manager.all_steps():
       return
     self.manager.save(step, args=ocp.args.Composite(
         weights=ocp.args.StandardSave(weights), train=ocp.args.StandardSave(train),
-        data=ocp.args.JsonSave(data_state),
+        data=grain.checkpoint.CheckpointSave(data_iter),
         meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, abstract_weights: Any, abstract_train: Any, step: int | None = None):
+  def restore(self, abstract_weights: Any, abstract_train: Any, data_iter: grain.DatasetIterator,
+              step: int | None = None):
+    """Restores weights and train state, and moves `data_iter` to the saved position."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"no checkpoint in {self.manager.directory}")
     try:
       out = self.manager.restore(step, args=ocp.args.Composite(
           weights=ocp.args.StandardRestore(abstract_weights),
-          train=ocp.args.StandardRestore(abstract_train), data=ocp.args.JsonRestore(),
+          train=ocp.args.StandardRestore(abstract_train), data=grain.checkpoint.CheckpointRestore(data_iter),
           meta=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types; name the directory.
       raise CheckpointError(
           f"checkpoint step {step} in {self.manager.directory} is unreadable or does not match"
           f" this model: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    return out.weights, out.train, out.data, out.meta
+    return out.weights, out.train, out.meta
 
   def close(self):
     self.manager.close()

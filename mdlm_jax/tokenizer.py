@@ -215,6 +215,9 @@ def _write_atomic(path: str, data: bytes):
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a model file is for sharing
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):

@@ -10,6 +10,10 @@ from mdlm_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/NAME.py)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 for a multi-process run (else auto-detected)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in a multi-process run")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index in a multi-process run")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -18,10 +22,13 @@ def main(argv):
     cli.fail("train", ValueError(f"unexpected arguments {argv[1:]}"))
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   cli.drop_closed_loop_noise()
-  from mdlm_jax import runtime, trainer
+  from mdlm_jax import distributed, runtime, trainer
   c = _CONFIG.value
-  runtime.split_cpu_into_devices(max(1, c.data.batch_size // max(1, c.optim.grad_accum_steps)))
+  multi = distributed.wanted(_COORDINATOR.value, _NUM_PROCESSES.value)
+  if not multi:
+    runtime.split_cpu_into_devices(max(1, c.data.batch_size // max(1, c.optim.grad_accum_steps)))
   try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     trainer.train(_CONFIG.value, _WORKDIR.value)
   except cli.USER_ERRORS as e:
     cli.fail("train", e)

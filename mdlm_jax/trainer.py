@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from mdlm_jax import checkpoint, config as config_lib, data, evaluation, flops, objectives, sharding
+from mdlm_jax import checkpoint, config as config_lib, data, distributed, evaluation, flops, objectives, sharding
 from mdlm_jax.builder import ModelSpec, bind, init_params, model_spec
 from mdlm_jax.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
@@ -115,6 +115,8 @@ class Stop:
 
 
 def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None) -> Tokenizer:
+  """The checkpoint's tokenizer on resume, else the configured file, else one
+  trained on the training split. Trained once, on process 0, and broadcast."""
   if resumed_meta is not None:
     return Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(resumed_meta))
   if config.data.tokenizer:
@@ -122,13 +124,17 @@ def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None)
       raise FileNotFoundError(f"config.data.tokenizer: no such file {config.data.tokenizer}")
     return Tokenizer.from_file(config.data.tokenizer)
   path = os.path.join(workdir, "tokenizer.model")
-  if os.path.isfile(path):
-    return Tokenizer.from_file(path)
-  log(f"training a {config.data.tokenizer_vocab_size}-piece sentencepiece tokenizer -> {path}")
-  t0 = time.time()
-  tok = train_tokenizer(train_docs, path, config.data.tokenizer_vocab_size, config.data.tokenizer_max_chars)
-  log(f"tokenizer trained in {time.time() - t0:.1f}s")
-  return tok
+  proto = None
+  if jax.process_index() == 0:
+    if os.path.isfile(path):
+      proto = Tokenizer.from_file(path).to_bytes()
+    else:
+      log(f"training a {config.data.tokenizer_vocab_size}-piece sentencepiece tokenizer -> {path}")
+      t0 = time.time()
+      proto = train_tokenizer(train_docs, path, config.data.tokenizer_vocab_size,
+                              config.data.tokenizer_max_chars).to_bytes()
+      log(f"tokenizer trained in {time.time() - t0:.1f}s")
+  return Tokenizer.from_bytes(distributed.broadcast_bytes(proto))
 
 
 def check_batch_layout(config, mesh) -> None:
@@ -198,8 +204,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       w_abs = checkpoint.abstract_like(weights)
       t_abs = checkpoint.abstract_like(train_state)
       del weights, train_state, params, opt_state
-      weights, train_state, data_state, _ = ckpt.restore(w_abs, t_abs)
-      it.set_state(data_state)
+      weights, train_state, _ = ckpt.restore(w_abs, t_abs, it)
     step = int(train_state["step"])
     if resumed_meta is not None:
       log(f"resumed from {workdir} at step {step}")
@@ -241,7 +246,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       return res
 
     def save(step: int):
-      ckpt.save(step, weights, train_state, it.get_state(), meta)
+      ckpt.save(step, weights, train_state, it, meta)
 
     last = {}
     t_last, step_last = time.perf_counter(), step
