@@ -1,0 +1,1 @@
+"""Fixed-shape, jit-compiled samplers for masked diffusion models and their AR twin."""

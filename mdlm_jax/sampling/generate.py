@@ -1,0 +1,118 @@
+"""Text in, text out: tokenizes prompts, builds the canvas, runs a sampler
+under jit (compiled once per sampler and canvas shape), and trims the result
+at EOS and stop strings."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdlm_jax.builder import LoadedModel, bind
+from mdlm_jax.sampling.canvas import Canvas, make_canvas
+from mdlm_jax.sampling.samplers import AncestralSampler, Layout
+
+
+@dataclasses.dataclass
+class Completion:
+  text: str
+  tokens: list[int]
+  finish_reason: str  # "stop" (EOS or a stop string) or "length"
+  prompt_tokens: int
+  drafts: list[str] | None = None
+
+
+@dataclasses.dataclass
+class Result:
+  completions: list[Completion]
+  forward_passes: int
+  steps: int
+  seconds: float
+
+
+def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+  cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+  return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class Generator:
+  """Samples from a loaded MDLM checkpoint (any diffusion sampler)."""
+
+  def __init__(self, loaded: LoadedModel):
+    self.loaded = loaded
+    self.tok = loaded.tokenizer
+    self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
+    if loaded.spec.cfg.causal:
+      raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
+    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record"))
+
+  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record):
+    model = bind(self.loaded.spec, params)
+    B, L = tokens.shape
+    attn_mask = jnp.broadcast_to(valid[:, None, None, :], (B, 1, L, L))  # never attend to padding
+
+    def denoise(toks, t):
+      return model(toks, t if self.time_conditioned else None, positions, attn_mask)
+
+    return sampler.run(denoise, tokens, valid, key, layout, record)
+
+  def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
+    return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+
+  def generate(self, prompts: Sequence[str], *, max_new_tokens: int, sampler, seed: int = 0,
+               suffixes: Sequence[str] | None = None, stop: Sequence[str] = (), record_drafts: bool = False,
+               add_bos: bool = True) -> Result:
+    ids = [self.encode_prompt(p, add_bos) for p in prompts]
+    suf = [self.tok.encode(s) for s in suffixes] if suffixes is not None else None
+    canvas = make_canvas(ids, max_new_tokens, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
+    layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id)
+    t0 = time.perf_counter()
+    out = self._run(self.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
+                    jnp.asarray(canvas.positions), jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
+                    record=record_drafts)
+    out = jax.device_get(out)
+    seconds = time.perf_counter() - t0
+    completions = [self._finish(canvas, out, i, ids[i], stop, record_drafts) for i in range(len(prompts))]
+    return Result(completions, int(out["nfe"]), int(out["steps"]), seconds)
+
+  def region(self, canvas: Canvas, tokens: np.ndarray, row: int) -> np.ndarray:
+    return tokens[row, canvas.gen_start:canvas.gen_start + canvas.gen_len]
+
+  def _finish(self, canvas, out, row, prompt_ids, stop, record) -> Completion:
+    gen = self.region(canvas, out["tokens"], row)
+    eos = np.flatnonzero(gen == self.tok.eos_id)
+    finish = "length"
+    if eos.size:
+      gen, finish = gen[:eos[0]], "stop"
+    gen = gen[gen != self.tok.mask_id]
+    text = self.tok.decode(gen.tolist())
+    text, stopped = truncate_at_stop(text, stop)
+    if stopped:
+      finish = "stop"
+    drafts = None
+    if record:
+      drafts = [self.draft_text(self.region(canvas, out["drafts"][i], row))
+                for i in range(int(out["num_drafts"]))]
+    return Completion(text, gen.tolist(), finish, len(prompt_ids), drafts)
+
+  def draft_text(self, region: np.ndarray, mask_text: str = "\u2591") -> str:
+    """A partially masked region as text, [MASK] shown as `mask_text`."""
+    pieces, run = [], []
+    for t in region.tolist():
+      if t == self.tok.mask_id:
+        if run:
+          pieces.append(self.tok.decode(run))
+          run = []
+        pieces.append(mask_text)
+      else:
+        run.append(t)
+    if run:
+      pieces.append(self.tok.decode(run))
+    return "".join(pieces)
+
+
+__all__ = ["Generator", "Completion", "Result", "AncestralSampler", "truncate_at_stop"]

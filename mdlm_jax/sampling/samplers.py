@@ -1,0 +1,226 @@
+"""Masked-diffusion samplers: each a frozen dataclass (static under jit) whose
+`run` is one fixed-shape `lax.while_loop` over a [B, L] canvas.
+
+The loop body calls `denoise(tokens, t) -> logits [B, L, V]` (float32); the
+[MASK] logit is excluded everywhere (SUBS), so [MASK] is never proposed.
+
+- AncestralSampler: MDLM's ancestral sampler with the p(x0) cache: a step in
+  which no token changed leaves the model input unchanged, so the next step
+  reuses the cached distribution instead of running the network.
+- LowConfidenceSampler: LLaDA; each step commits the k most confident
+  proposals, k spread evenly over the steps of a block.
+- ThresholdSampler: Fast-dLLM parallel decoding; each step commits every
+  proposal with p >= threshold, and always the most confident one.
+The two confidence samplers decode semi-autoregressively when `block_size`
+> 0: block by block, left to right, stopping rows at EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdlm_jax.diffusion import NEG_INF, Schedule
+
+Denoise = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _exclude_mask(logits, mask_id):
+  return logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
+
+
+def propose(key, logits, mask_id: int, temperature: float):
+  """Per position: a proposal x0 (Gumbel-max at `temperature`, argmax at 0)
+  and its probability under the untempered p(x0)."""
+  logits = _exclude_mask(logits, mask_id)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  if temperature > 0:
+    u = jax.random.uniform(key, logits.shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    x0 = jnp.argmax(logits / temperature - jnp.log(-jnp.log(u)), axis=-1)
+  else:
+    x0 = jnp.argmax(logits, axis=-1)
+  conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])
+  return x0.astype(jnp.int32), conf
+
+
+def rank_desc(scores):
+  """0 for the largest score of each row, 1 for the next, ... (ties by index)."""
+  order = jnp.argsort(-scores, axis=-1, stable=True)
+  return jnp.argsort(order, axis=-1, stable=True)
+
+
+def block_bounds(gen_start: int, gen_len: int, block_size: int) -> list[tuple[int, int]]:
+  size = block_size if block_size > 0 else gen_len
+  return [(gen_start + s, gen_start + min(s + size, gen_len)) for s in range(0, gen_len, size)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static facts about a canvas the loop needs at trace time."""
+  gen_start: int
+  gen_len: int
+  mask_id: int
+  eos_id: int
+
+
+def _record(drafts, n, tokens, record: bool):
+  if not record:
+    return drafts, n
+  return jax.lax.dynamic_update_index_in_dim(drafts, tokens, n, 0), n + 1
+
+
+def _eos_in(tokens, lo, hi, eos_id, length):
+  """Rows whose columns [lo, hi) contain EOS (lo/hi may be traced)."""
+  cols = jnp.arange(length)
+  return jnp.any((tokens == eos_id) & (cols >= lo) & (cols < hi), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConfidenceBase:
+  block_size: int = 32  # 0: one block spanning the whole generation region
+  temperature: float = 0.0
+
+  def max_iterations(self, lay: Layout) -> int:
+    return len(block_bounds(lay.gen_start, lay.gen_len, self.block_size)) * self._steps_cap(lay)
+
+  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False):
+    bounds = block_bounds(lay.gen_start, lay.gen_len, self.block_size)
+    lo_arr = jnp.asarray([b[0] for b in bounds], jnp.int32)
+    hi_arr = jnp.asarray([b[1] for b in bounds], jnp.int32)
+    n_blocks, steps_cap = len(bounds), self._steps_cap(lay)
+    B, L = tokens.shape
+    cols = jnp.arange(L)
+    max_it = n_blocks * steps_cap
+    drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
+    drafts, n_drafts = _record(drafts, 0, tokens, record)
+
+    def cond(s):
+      return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
+
+    def body(s):
+      tokens, key = s["tokens"], s["key"]
+      key, k_prop = jax.random.split(key)
+      lo, hi = lo_arr[s["block"]], hi_arr[s["block"]]
+      masked = (tokens == lay.mask_id) & valid
+      frac = jnp.sum(masked, axis=-1) / lay.gen_len
+      logits = denoise(tokens, frac.astype(jnp.float32))
+      x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature)
+      in_block = (cols >= lo) & (cols < hi)
+      candidates = masked & in_block[None, :] & ~s["done"][:, None]
+      commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
+      tokens = jnp.where(commit, x0, tokens)
+      block_left = jnp.any((tokens == lay.mask_id) & valid & in_block[None, :] & ~s["done"][:, None])
+      finished = ~block_left | (s["step"] + 1 >= steps_cap)
+      done = s["done"] | (finished & _eos_in(tokens, lo, hi, lay.eos_id, L))
+      drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record)
+      return {"tokens": tokens, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
+              "block": s["block"] + finished.astype(jnp.int32),
+              "step": jnp.where(finished, 0, s["step"] + 1), "it": s["it"] + 1, "nfe": s["nfe"] + 1}
+
+    init = {"tokens": tokens, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
+            "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
+            "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.zeros((), jnp.int32)}
+    out = jax.lax.while_loop(cond, body, init)
+    return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
+            "num_drafts": out["n_drafts"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class LowConfidenceSampler(_ConfidenceBase):
+  """LLaDA low-confidence remasking: `steps` refinement steps per block."""
+  steps: int = 32
+
+  def _steps_cap(self, lay: Layout) -> int:
+    return self.steps
+
+  def _select(self, conf, candidates, block, step):
+    # An even split of what is left over the steps left, so each block ends
+    # after exactly `steps` steps (LLaDA's schedule, computed on the fly).
+    n_left = jnp.sum(candidates, axis=-1)
+    steps_left = self.steps - step
+    k = jnp.where(steps_left > 0, -(-n_left // jnp.maximum(steps_left, 1)), n_left)
+    return candidates & (rank_desc(conf) < k[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdSampler(_ConfidenceBase):
+  """Fast-dLLM: commit every proposal with p >= threshold, and the top one."""
+  threshold: float = 0.9
+
+  def _steps_cap(self, lay: Layout) -> int:
+    size = self.block_size if self.block_size > 0 else lay.gen_len
+    return min(size, lay.gen_len)
+
+  def _select(self, conf, candidates, block, step):
+    top1 = rank_desc(conf) == 0
+    return candidates & ((conf >= self.threshold) | top1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AncestralSampler:
+  """MDLM ancestral sampling over `steps` steps from t=1 to t=eps, then one
+  noise-removal step (argmax of p(x0) at every remaining [MASK]).
+
+  With `cache=True` (for time-unconditioned models) the p(x0) of a step in
+  which no token changed is reused, skipping the forward pass."""
+  steps: int = 64
+  temperature: float = 1.0
+  schedule: str = "loglinear"
+  eps: float = 1e-3
+  cache: bool = True
+
+  def max_iterations(self, lay: Layout) -> int:
+    return self.steps + 1
+
+  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False):
+    sched = Schedule(self.schedule, self.eps)
+    B, L = tokens.shape
+    ts = jnp.linspace(1.0, self.eps, self.steps + 1)
+    drafts = jnp.zeros((self.steps + 2 if record else 1, B, L), jnp.int32)
+    drafts, n_drafts = _record(drafts, 0, tokens, record)
+
+    def logits_for(tokens, t, cached, valid_cache):
+      if not self.cache:
+        return denoise(tokens, jnp.full((B,), t, jnp.float32)), jnp.ones((), jnp.int32)
+      return jax.lax.cond(valid_cache, lambda: (cached, jnp.zeros((), jnp.int32)),
+                          lambda: (denoise(tokens, jnp.full((B,), t, jnp.float32)), jnp.ones((), jnp.int32)))
+
+    V = jax.eval_shape(denoise, tokens, jnp.zeros((B,), jnp.float32)).shape[-1]
+
+    def body(i, s):
+      s_t, t_t = ts[i], ts[i + 1]
+      logits, ran = logits_for(s["tokens"], s_t, s["logits"], s["cache_ok"])
+      key, k_u, k_x = jax.random.split(s["key"], 3)
+      masked = (s["tokens"] == lay.mask_id) & valid
+      a_s, a_t = sched.alpha(s_t), sched.alpha(t_t)
+      p_unmask = (a_t - a_s) / (1.0 - a_s)
+      unmask = masked & (jax.random.uniform(k_u, masked.shape) < p_unmask)
+      x0, _ = propose(k_x, logits, lay.mask_id, self.temperature)
+      new = jnp.where(unmask, x0, s["tokens"])
+      drafts, n = _record(s["drafts"], s["n_drafts"], new, record)
+      return {"tokens": new, "key": key, "logits": logits, "cache_ok": ~jnp.any(unmask),
+              "nfe": s["nfe"] + ran, "drafts": drafts, "n_drafts": n}
+
+    init = {"tokens": tokens, "key": key, "logits": jnp.zeros((B, L, V), jnp.float32),
+            "cache_ok": jnp.zeros((), bool), "nfe": jnp.zeros((), jnp.int32), "drafts": drafts,
+            "n_drafts": jnp.asarray(n_drafts, jnp.int32)}
+    s = jax.lax.fori_loop(0, self.steps, body, init)
+    # Noise removal: whatever is still masked takes the argmax of p(x0).
+    masked = (s["tokens"] == lay.mask_id) & valid
+    logits, ran = jax.lax.cond(
+        jnp.any(masked),
+        lambda: logits_for(s["tokens"], ts[-1], s["logits"], s["cache_ok"]),
+        lambda: (s["logits"], jnp.zeros((), jnp.int32)))
+    x0 = jnp.argmax(_exclude_mask(logits, lay.mask_id), axis=-1).astype(jnp.int32)
+    tokens = jnp.where(masked, x0, s["tokens"])
+    drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record)
+    return {"tokens": tokens, "nfe": s["nfe"] + ran, "steps": jnp.asarray(self.steps + 1, jnp.int32),
+            "drafts": drafts, "num_drafts": n}
+
+
+SAMPLERS = {"ancestral": AncestralSampler, "low_confidence": LowConfidenceSampler, "threshold": ThresholdSampler}

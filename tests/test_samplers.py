@@ -1,0 +1,144 @@
+"""Diffusion samplers: invariants, determinism, the p(x0) cache, EOS, infilling."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from conftest import load_config
+from mdlm_jax import sharding
+from mdlm_jax.builder import LoadedModel, init_params, model_spec
+from mdlm_jax.model import ModelConfig
+from mdlm_jax.sampling.canvas import make_canvas
+from mdlm_jax.sampling.generate import Generator, truncate_at_stop
+from mdlm_jax.sampling.samplers import AncestralSampler, Layout, LowConfidenceSampler, ThresholdSampler
+from mdlm_jax.tokenizer import Tokenizer
+
+SAMPLERS = [
+    AncestralSampler(steps=12, temperature=1.0),
+    LowConfidenceSampler(steps=4, block_size=8, temperature=0.7),
+    LowConfidenceSampler(steps=6, block_size=0, temperature=0.0),
+    ThresholdSampler(threshold=0.05, block_size=8, temperature=1.0),
+]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_tokenizer_path):
+  tok = Tokenizer.from_file(tiny_tokenizer_path)
+  cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64)
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
+  spec = model_spec(cfg, mesh)
+  params = init_params(spec, seed=3)
+  return Generator(LoadedModel(spec, params, tok, load_config("tiny"), 0, False))
+
+
+def committed_never_change(drafts, mask_id):
+  for a, b in zip(drafts[:-1], drafts[1:]):
+    keep = a != mask_id
+    if not np.array_equal(a[keep], b[keep]):
+      return False
+  return True
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: type(s).__name__)
+def test_invariants(generator, sampler):
+  tok = generator.tok
+  prompts = ["def add(a, b):\n", "import os\nimport sys\n\n"]
+  suffixes = ["\n    return c\n", ""]
+  ids = [generator.encode_prompt(p) for p in prompts]
+  canvas = make_canvas(ids, 24, mask_id=tok.mask_id, pad_id=tok.pad_id, suffixes=[tok.encode(s) for s in suffixes])
+  layout = Layout(canvas.gen_start, canvas.gen_len, tok.mask_id, tok.eos_id)
+  out = generator._run(generator.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
+                       jnp.asarray(canvas.positions), jax.random.PRNGKey(0), sampler=sampler, layout=layout,
+                       record=True)
+  out = jax.device_get(out)
+  final = out["tokens"]
+  # Prompt, suffix and padding are never changed.
+  np.testing.assert_array_equal(final[canvas.fixed], canvas.tokens[canvas.fixed])
+  drafts = out["drafts"][:int(out["num_drafts"])]
+  assert len(drafts) == int(out["steps"]) + 1
+  np.testing.assert_array_equal(drafts[0], canvas.tokens)
+  np.testing.assert_array_equal(drafts[-1], final)
+  # A committed token is never changed again, and the masks only decrease.
+  assert committed_never_change(drafts, tok.mask_id)
+  masks = [(d == tok.mask_id).sum() for d in drafts]
+  assert all(a >= b for a, b in zip(masks[:-1], masks[1:]))
+  # Every position before a row's first EOS is filled.
+  for row in range(2):
+    gen = final[row, canvas.gen_start:canvas.gen_start + canvas.gen_len]
+    eos = np.flatnonzero(gen == tok.eos_id)
+    head = gen[:eos[0]] if eos.size else gen
+    assert not np.any(head == tok.mask_id)
+    assert not np.any(gen == tok.pad_id) or eos.size
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: type(s).__name__)
+def test_deterministic_for_a_seed(generator, sampler):
+  a = generator.generate(["x = "], max_new_tokens=16, sampler=sampler, seed=5)
+  b = generator.generate(["x = "], max_new_tokens=16, sampler=sampler, seed=5)
+  assert a.completions[0].tokens == b.completions[0].tokens
+  if sampler.temperature > 0:
+    outs = {tuple(generator.generate(["x = "], max_new_tokens=16, sampler=sampler, seed=s).completions[0].tokens)
+            for s in range(4)}
+    assert len(outs) > 1
+
+
+def test_px0_cache_changes_cost_not_samples(generator):
+  # Many more steps than tokens: most steps unmask nothing and reuse p(x0).
+  cached = generator.generate(["def f():\n"], max_new_tokens=8, sampler=AncestralSampler(steps=64), seed=2)
+  plain = generator.generate(["def f():\n"], max_new_tokens=8, sampler=AncestralSampler(steps=64, cache=False),
+                             seed=2)
+  assert cached.completions[0].tokens == plain.completions[0].tokens
+  assert plain.forward_passes == 64
+  assert cached.forward_passes < 20
+
+
+def test_step_counts(generator):
+  r = generator.generate(["a"], max_new_tokens=16, sampler=LowConfidenceSampler(steps=4, block_size=8), seed=0)
+  assert r.steps == 8 and r.forward_passes == 8  # 2 blocks x 4 steps
+  r = generator.generate(["a"], max_new_tokens=16, sampler=ThresholdSampler(threshold=0.0, block_size=8), seed=0)
+  assert r.steps == 2  # threshold 0 commits a whole block per step
+
+
+def _fake_denoise(target, vocab):
+  logits = jnp.where(jax.nn.one_hot(target, vocab, dtype=bool), 10.0, 0.0)
+  return lambda tokens, t: jnp.broadcast_to(logits, tokens.shape + (vocab,))
+
+
+def test_block_decoding_stops_rows_at_eos():
+  vocab, mask_id, eos_id = 12, 4, 2
+  tokens = jnp.full((1, 16), mask_id, jnp.int32).at[0, :2].set(jnp.array([1, 7]))
+  valid = jnp.ones((1, 16), bool)
+  target = jnp.full((1, 16), 9, jnp.int32).at[0, 7].set(eos_id)
+  lay = Layout(gen_start=2, gen_len=14, mask_id=mask_id, eos_id=eos_id)
+  out = LowConfidenceSampler(steps=2, block_size=4).run(_fake_denoise(target, vocab), tokens, valid,
+                                                        jax.random.PRNGKey(0), lay)
+  # Blocks [2,6) and [6,10) are decoded; EOS at column 7 ends the row there.
+  assert int(out["steps"]) == 4
+  np.testing.assert_array_equal(np.asarray(out["tokens"][0, 2:10]), np.asarray(target[0, 2:10]))
+  assert np.all(np.asarray(out["tokens"][0, 10:]) == mask_id)
+
+
+def test_generator_trims_at_eos_and_stop_strings(generator):
+  assert truncate_at_stop("abc\n\ndef", ["\n\n", "zz"]) == ("abc", True)
+  assert truncate_at_stop("abc", ["zz"]) == ("abc", False)
+  r = generator.generate(["def"], max_new_tokens=12, sampler=LowConfidenceSampler(steps=12, block_size=0), seed=0)
+  text = r.completions[0].text
+  assert text and r.completions[0].finish_reason in ("length", "stop")
+  stop = text[len(text) // 2:len(text) // 2 + 1]
+  r2 = generator.generate(["def"], max_new_tokens=12, sampler=LowConfidenceSampler(steps=12, block_size=0), seed=0,
+                          stop=[stop])
+  assert r2.completions[0].text == text[:text.find(stop)]
+  assert r2.completions[0].finish_reason == "stop"
+
+
+def test_canvas_layout():
+  c = make_canvas([[1, 5, 6], [1]], 4, mask_id=9, pad_id=0, suffixes=[[7], [7, 8]], multiple=4)
+  assert c.gen_start == 4 and c.tokens.shape == (2, 12)
+  np.testing.assert_array_equal(c.tokens[0], [0, 1, 5, 6, 9, 9, 9, 9, 7, 0, 0, 0])
+  np.testing.assert_array_equal(c.tokens[1], [0, 0, 0, 1, 9, 9, 9, 9, 7, 8, 0, 0])
+  np.testing.assert_array_equal(c.positions[1, 3:10], np.arange(7))
+  assert not c.fixed[:, 4:8].any() and c.fixed[:, :4].all() and c.fixed[:, 8:].all()
+  with pytest.raises(ValueError, match=">= 1"):
+    make_canvas([[1]], 0, mask_id=9, pad_id=0)
