@@ -48,9 +48,9 @@ class Generator:
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
     if loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
-    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record"))
+    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "emit"))
 
-  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record):
+  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, emit=None):
     model = bind(self.loaded.spec, params)
     B, L = tokens.shape
     attn_mask = jnp.broadcast_to(valid[:, None, None, :], (B, 1, L, L))  # never attend to padding
@@ -58,22 +58,30 @@ class Generator:
     def denoise(toks, t):
       return model(toks, t if self.time_conditioned else None, positions, attn_mask)
 
-    return sampler.run(denoise, tokens, valid, key, layout, record)
+    return sampler.run(denoise, tokens, valid, key, layout, record, emit)
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
     return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
 
   def generate(self, prompts: Sequence[str], *, max_new_tokens: int, sampler, seed: int = 0,
                suffixes: Sequence[str] | None = None, stop: Sequence[str] = (), record_drafts: bool = False,
-               add_bos: bool = True) -> Result:
+               add_bos: bool = True, on_draft=None) -> Result:
+    """`on_draft(step, drafts)`, if given, is called on the host after every
+    refinement step with each row's generation region as text ([MASK] as a
+    shaded block), while the loop is still running."""
     ids = [self.encode_prompt(p, add_bos) for p in prompts]
     suf = [self.tok.encode(s) for s in suffixes] if suffixes is not None else None
     canvas = make_canvas(ids, max_new_tokens, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
     layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id)
+    emit = None
+    if on_draft is not None:
+      def emit(step, tokens):
+        tokens = np.asarray(tokens)
+        on_draft(int(step), [self.draft_text(self.region(canvas, tokens, r)) for r in range(len(prompts))])
     t0 = time.perf_counter()
     out = self._run(self.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
                     jnp.asarray(canvas.positions), jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
-                    record=record_drafts)
+                    record=record_drafts, emit=emit)
     out = jax.device_get(out)
     seconds = time.perf_counter() - t0
     completions = [self._finish(canvas, out, i, ids[i], stop, record_drafts) for i in range(len(prompts))]

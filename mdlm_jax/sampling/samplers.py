@@ -22,6 +22,7 @@ import math
 from typing import Callable
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
@@ -68,9 +69,13 @@ class Layout:
   eos_id: int
 
 
-def _record(drafts, n, tokens, record: bool):
+def _record(drafts, n, tokens, record: bool, emit=None):
+  """Keeps the canvas after a step (record) and/or hands it to the host as it
+  happens (emit(step, tokens), for streaming drafts)."""
+  if emit is not None:
+    jax.experimental.io_callback(emit, None, n, tokens, ordered=True)
   if not record:
-    return drafts, n
+    return drafts, n + (1 if emit is not None else 0)
   return jax.lax.dynamic_update_index_in_dim(drafts, tokens, n, 0), n + 1
 
 
@@ -88,7 +93,7 @@ class _ConfidenceBase:
   def max_iterations(self, lay: Layout) -> int:
     return len(block_bounds(lay.gen_start, lay.gen_len, self.block_size)) * self._steps_cap(lay)
 
-  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False):
+  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
     bounds = block_bounds(lay.gen_start, lay.gen_len, self.block_size)
     lo_arr = jnp.asarray([b[0] for b in bounds], jnp.int32)
     hi_arr = jnp.asarray([b[1] for b in bounds], jnp.int32)
@@ -97,7 +102,7 @@ class _ConfidenceBase:
     cols = jnp.arange(L)
     max_it = n_blocks * steps_cap
     drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
-    drafts, n_drafts = _record(drafts, 0, tokens, record)
+    drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
 
     def cond(s):
       return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
@@ -117,7 +122,7 @@ class _ConfidenceBase:
       block_left = jnp.any((tokens == lay.mask_id) & valid & in_block[None, :] & ~s["done"][:, None])
       finished = ~block_left | (s["step"] + 1 >= steps_cap)
       done = s["done"] | (finished & _eos_in(tokens, lo, hi, lay.eos_id, L))
-      drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record)
+      drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
       return {"tokens": tokens, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
               "block": s["block"] + finished.astype(jnp.int32),
               "step": jnp.where(finished, 0, s["step"] + 1), "it": s["it"] + 1, "nfe": s["nfe"] + 1}
@@ -177,12 +182,12 @@ class AncestralSampler:
   def max_iterations(self, lay: Layout) -> int:
     return self.steps + 1
 
-  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False):
+  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
     sched = Schedule(self.schedule, self.eps)
     B, L = tokens.shape
     ts = jnp.linspace(1.0, self.eps, self.steps + 1)
     drafts = jnp.zeros((self.steps + 2 if record else 1, B, L), jnp.int32)
-    drafts, n_drafts = _record(drafts, 0, tokens, record)
+    drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
 
     def logits_for(tokens, t, cached, valid_cache):
       if not self.cache:
@@ -202,7 +207,7 @@ class AncestralSampler:
       unmask = masked & (jax.random.uniform(k_u, masked.shape) < p_unmask)
       x0, _ = propose(k_x, logits, lay.mask_id, self.temperature)
       new = jnp.where(unmask, x0, s["tokens"])
-      drafts, n = _record(s["drafts"], s["n_drafts"], new, record)
+      drafts, n = _record(s["drafts"], s["n_drafts"], new, record, emit)
       return {"tokens": new, "key": key, "logits": logits, "cache_ok": ~jnp.any(unmask),
               "nfe": s["nfe"] + ran, "drafts": drafts, "n_drafts": n}
 
@@ -218,7 +223,7 @@ class AncestralSampler:
         lambda: (s["logits"], jnp.zeros((), jnp.int32)))
     x0 = jnp.argmax(_exclude_mask(logits, lay.mask_id), axis=-1).astype(jnp.int32)
     tokens = jnp.where(masked, x0, s["tokens"])
-    drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record)
+    drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
     return {"tokens": tokens, "nfe": s["nfe"] + ran, "steps": jnp.asarray(self.steps + 1, jnp.int32),
             "drafts": drafts, "num_drafts": n}
 

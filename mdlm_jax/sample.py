@@ -1,0 +1,110 @@
+"""python -m mdlm_jax.sample [--checkpoint=DIR] --prompt=TEXT [--suffix=TEXT] [options]
+
+Generates with a trained MDLM: the prompt stays fixed, the generation region
+starts as [MASK] and is refined in parallel; with --suffix the region is the
+middle between prompt and suffix (infilling). --show-steps redraws the draft
+after every refinement step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mdlm_jax import cli
+
+
+def parse(argv):
+  from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.sample", description=__doc__.split("\n\n")[1])
+  p.add_argument("--checkpoint", help="training workdir or checkpoint folder (default: the packaged model)")
+  p.add_argument("--prompt", required=True, help="text to continue")
+  p.add_argument("--suffix", default=None, help="text after the generated middle (fill-in-the-middle)")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--effort", default=DEFAULT_EFFORT, choices=EFFORTS, help="speed/quality preset")
+  p.add_argument("--sampler", choices=("ancestral", "low_confidence", "threshold"), default=None,
+                 help="use this sampler instead of the preset's")
+  p.add_argument("--steps", type=int, default=None, help="refinement steps (per block)")
+  p.add_argument("--block-size", type=int, default=None, help="semi-autoregressive block size (0: one block)")
+  p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
+  p.add_argument("--temperature", type=float, default=None)
+  p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--num-samples", type=int, default=1)
+  p.add_argument("--no-bos", action="store_true", help="do not start the prompt with BOS")
+  p.add_argument("--show-steps", action="store_true", help="redraw the draft after every refinement step")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  a = p.parse_args(argv)
+  if a.max_new_tokens < 1:
+    p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+  if a.num_samples < 1:
+    p.error(f"--num-samples must be >= 1, got {a.num_samples}")
+  if len(a.stop) > 4:
+    p.error("at most 4 --stop strings")
+  return a
+
+
+def packaged_checkpoint() -> str:
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "code_small")
+  if not os.path.isdir(path):
+    raise FileNotFoundError("this installation has no packaged model; pass --checkpoint=DIR")
+  return path
+
+
+class DraftView:
+  """Redraws the current draft in place on a terminal, or appends it otherwise."""
+
+  def __init__(self, prompt: str, stream=sys.stderr):
+    self.prompt, self.stream = prompt, stream
+    self.tty = stream.isatty()
+
+  def __call__(self, step: int, drafts: list[str]):
+    body = "\n---\n".join(self.prompt + d for d in drafts)
+    if self.tty:
+      self.stream.write("\x1b[2J\x1b[H" + f"[step {step}]\n" + body + "\n")
+    else:
+      self.stream.write(f"[step {step}]\n{body}\n")
+    self.stream.flush()
+
+
+def main(argv=None):
+  a = parse(sys.argv[1:] if argv is None else argv)
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)
+  cli.drop_closed_loop_noise()
+  try:
+    from mdlm_jax import builder
+    from mdlm_jax.sampling.generate import Generator
+    from mdlm_jax.sampling.presets import sampler_for
+    sampler = sampler_for(a.effort, sampler=a.sampler, steps=a.steps, block_size=a.block_size,
+                          threshold=a.threshold, temperature=a.temperature)
+    loaded = builder.load(a.checkpoint or packaged_checkpoint())
+    gen = Generator(loaded)
+    prompts = [a.prompt] * a.num_samples
+    suffixes = [a.suffix] * a.num_samples if a.suffix is not None else None
+    view = DraftView(a.prompt) if a.show_steps else None
+    result = gen.generate(prompts, max_new_tokens=a.max_new_tokens, sampler=sampler, seed=a.seed,
+                          suffixes=suffixes, stop=a.stop, add_bos=not a.no_bos, on_draft=view)
+  except cli.USER_ERRORS as e:
+    cli.fail("sample", e)
+  new_tokens = sum(len(c.tokens) for c in result.completions)
+  stats = {"forward_passes": result.forward_passes, "steps": result.steps, "seconds": result.seconds,
+           "new_tokens": new_tokens,
+           "tokens_per_forward": new_tokens / max(result.forward_passes, 1) / len(result.completions),
+           "tokens_per_s": new_tokens / max(result.seconds, 1e-9), "sampler": repr(sampler)}
+  if a.json:
+    print(json.dumps({"completions": [{"text": c.text, "finish_reason": c.finish_reason,
+                                       "tokens": len(c.tokens)} for c in result.completions], **stats}))
+    return
+  for i, c in enumerate(result.completions):
+    if len(result.completions) > 1:
+      print(f"=== sample {i} ({c.finish_reason}) ===")
+    print(a.prompt + c.text + (a.suffix or ""))
+  print(f"[{new_tokens} tokens in {result.forward_passes} forward passes, {stats['seconds']:.2f}s"
+        f" incl. compile; {repr(sampler)}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()

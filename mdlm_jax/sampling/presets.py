@@ -1,0 +1,56 @@
+"""Reasoning-effort presets: named sampler settings, from fastest to most careful.
+
+All four decode semi-autoregressively in blocks of 32 with greedy (temperature
+0) proposals; they differ in how many tokens each forward pass may commit.
+"""
+
+from __future__ import annotations
+
+from mdlm_jax.sampling.samplers import AncestralSampler, LowConfidenceSampler, ThresholdSampler
+
+BLOCK = 32
+
+PRESETS = {
+    # Commit every proposal the model is at least 50% sure of.
+    "instant": ThresholdSampler(threshold=0.5, block_size=BLOCK),
+    "low": ThresholdSampler(threshold=0.7, block_size=BLOCK),
+    # Fast-dLLM's setting.
+    "medium": ThresholdSampler(threshold=0.9, block_size=BLOCK),
+    # One token per forward pass, the most confident first (LLaDA).
+    "high": LowConfidenceSampler(steps=BLOCK, block_size=BLOCK),
+}
+EFFORTS = tuple(PRESETS)
+DEFAULT_EFFORT = "medium"
+
+
+def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, steps: int | None = None,
+                block_size: int | None = None, threshold: float | None = None, temperature: float | None = None):
+  """The preset for `effort`, or the named sampler, with any overrides."""
+  import dataclasses
+  if effort not in PRESETS:
+    raise ValueError(f"unknown effort {effort!r}; choose from {', '.join(EFFORTS)}")
+  base = PRESETS[effort]
+  if sampler is not None:
+    kinds = {"ancestral": AncestralSampler(), "low_confidence": LowConfidenceSampler(block_size=BLOCK),
+             "threshold": ThresholdSampler(block_size=BLOCK)}
+    if sampler not in kinds:
+      raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(kinds)}")
+    base = kinds[sampler]
+  fields = {f.name for f in dataclasses.fields(base)}
+  overrides = {"steps": steps, "block_size": block_size, "threshold": threshold, "temperature": temperature}
+  changes = {}
+  for name, value in overrides.items():
+    if value is None:
+      continue
+    if name not in fields:
+      raise ValueError(f"--{name.replace('_', '-')} does not apply to the {type(base).__name__}")
+    changes[name] = value
+  if changes.get("steps", 1) < 1:
+    raise ValueError(f"--steps must be >= 1, got {changes['steps']}")
+  if changes.get("block_size", 0) < 0:
+    raise ValueError(f"--block-size must be >= 0, got {changes['block_size']}")
+  if not 0 <= changes.get("threshold", 0.5) <= 1:
+    raise ValueError(f"--threshold must be in [0, 1], got {changes['threshold']}")
+  if changes.get("temperature", 0) < 0:
+    raise ValueError(f"--temperature must be >= 0, got {changes['temperature']}")
+  return dataclasses.replace(base, **changes)
