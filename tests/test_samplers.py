@@ -142,3 +142,22 @@ def test_canvas_layout():
   assert not c.fixed[:, 4:8].any() and c.fixed[:, :4].all() and c.fixed[:, 8:].all()
   with pytest.raises(ValueError, match=">= 1"):
     make_canvas([[1]], 0, mask_id=9, pad_id=0)
+
+
+def test_same_tokens_on_a_4_device_mesh(tiny_config, tmp_path):
+  """Params sharded by the training rules, rows over 'data': same samples."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 host devices")
+  from mdlm_jax import builder, trainer
+  tiny_config.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
+  trainer.train(tiny_config, str(tmp_path))
+  one = Generator(builder.load(str(tmp_path)))
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 1, "tensor": 2}))
+  four = Generator(builder.load(str(tmp_path), mesh=mesh), mesh=mesh)
+  wq = four.loaded.params["blocks"][0]["attn"]["wq"]
+  assert wq.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  prompts = ["def f(x):\n", "class A:\n", "import re\n", "x = 1\n"]
+  for sampler in (AncestralSampler(steps=8), ThresholdSampler(threshold=0.3, block_size=8, temperature=1.0)):
+    a = one.generate(prompts, max_new_tokens=16, sampler=sampler, seed=4)
+    b = four.generate(prompts, max_new_tokens=16, sampler=sampler, seed=4)
+    assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]

@@ -4,6 +4,7 @@ at EOS and stop strings."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Sequence
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdlm_jax import sharding
 from mdlm_jax.builder import LoadedModel, bind
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout
@@ -42,8 +44,10 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 class Generator:
   """Samples from a loaded MDLM checkpoint (any diffusion sampler)."""
 
-  def __init__(self, loaded: LoadedModel):
-    self.loaded = loaded
+  def __init__(self, loaded: LoadedModel, mesh=None):
+    """`mesh`: run under this mesh (params as loaded onto it, the batch of
+    rows sharded over 'data' x 'fsdp'); None: wherever the params live."""
+    self.loaded, self.mesh = loaded, mesh
     self.tok = loaded.tokenizer
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
     if loaded.spec.cfg.causal:
@@ -78,11 +82,18 @@ class Generator:
       def emit(step, tokens):
         tokens = np.asarray(tokens)
         on_draft(int(step), [self.draft_text(self.region(canvas, tokens, r)) for r in range(len(prompts))])
+    arrays = [jnp.asarray(x) for x in (canvas.tokens, canvas.valid, canvas.positions)]
     t0 = time.perf_counter()
-    out = self._run(self.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
-                    jnp.asarray(canvas.positions), jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
-                    record=record_drafts, emit=emit)
-    out = jax.device_get(out)
+    with contextlib.ExitStack() as stack:
+      if self.mesh is not None:
+        stack.enter_context(jax.set_mesh(self.mesh))
+        rows = sharding.batch_sharding(self.mesh)
+        if len(prompts) % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]):
+          raise ValueError(f"{len(prompts)} rows do not divide over the mesh's data x fsdp axes")
+        arrays = [jax.device_put(x, rows) for x in arrays]
+      out = self._run(self.loaded.params, *arrays, jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
+                      record=record_drafts, emit=emit)
+      out = jax.device_get(out)
     seconds = time.perf_counter() - t0
     completions = [self._finish(canvas, out, i, ids[i], stop, record_drafts) for i in range(len(prompts))]
     return Result(completions, int(out["nfe"]), int(out["steps"]), seconds)
