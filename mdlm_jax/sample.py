@@ -23,6 +23,8 @@ def parse(argv):
   p.add_argument("--prompt", required=True, help="text to continue")
   p.add_argument("--suffix", default=None, help="text after the generated middle (fill-in-the-middle)")
   p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--infill-lengths", default=None,
+                 help="with --suffix: try these middle lengths (e.g. 8,16,32) and keep the most likely")
   p.add_argument("--effort", default=DEFAULT_EFFORT, choices=EFFORTS, help="speed/quality preset")
   p.add_argument("--sampler", choices=("ancestral", "low_confidence", "threshold"), default=None,
                  help="use this sampler instead of the preset's")
@@ -41,6 +43,15 @@ def parse(argv):
     p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
   if a.num_samples < 1:
     p.error(f"--num-samples must be >= 1, got {a.num_samples}")
+  if a.infill_lengths is not None:
+    if a.suffix is None:
+      p.error("--infill-lengths needs --suffix")
+    try:
+      a.infill_lengths = [int(x) for x in a.infill_lengths.split(",")]
+    except ValueError:
+      p.error(f"--infill-lengths must be comma-separated integers, got {a.infill_lengths!r}")
+    if min(a.infill_lengths) < 1:
+      p.error("--infill-lengths must be positive")
   if len(a.stop) > 4:
     p.error("at most 4 --stop strings")
   return a
@@ -85,6 +96,12 @@ def main(argv=None):
     prompts = [a.prompt] * a.num_samples
     suffixes = [a.suffix] * a.num_samples if a.suffix is not None else None
     view = DraftView(a.prompt) if a.show_steps else None
+    if a.infill_lengths:
+      best, scores = gen.infill(a.prompt, a.suffix, sampler=sampler, lengths=a.infill_lengths, seed=a.seed)
+      print(f"[infill NELBO nats/token by middle length: "
+            f"{', '.join(f'{n}: {v:.3f}' for n, v in scores.items())}]", file=sys.stderr)
+      a.max_new_tokens = min(scores, key=scores.get)
+      suffixes = [a.suffix] * a.num_samples
     result = gen.generate(prompts, max_new_tokens=a.max_new_tokens, sampler=sampler, seed=a.seed,
                           suffixes=suffixes, stop=a.stop, add_bos=not a.no_bos, on_draft=view)
   except cli.USER_ERRORS as e:

@@ -161,3 +161,16 @@ def test_same_tokens_on_a_4_device_mesh(tiny_config, tmp_path):
     a = one.generate(prompts, max_new_tokens=16, sampler=sampler, seed=4)
     b = four.generate(prompts, max_new_tokens=16, sampler=sampler, seed=4)
     assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
+
+
+def test_infill_searches_lengths_and_keeps_prefix_suffix(generator):
+  sampler = ThresholdSampler(threshold=0.2, block_size=0, temperature=1.0)
+  completion, scores = generator.infill("def f(x):\n    y = ", "\n    return y\n", sampler=sampler,
+                                        lengths=(2, 4, 8), seed=1)
+  assert set(scores) == {2, 4, 8}
+  assert len(completion.tokens) == min(scores, key=scores.get) or completion.finish_reason == "stop"
+  # Scores are seeded: the same call gives the same numbers.
+  rows = [generator.encode_prompt("x = 1"), generator.encode_prompt("import os")]
+  np.testing.assert_array_equal(generator.nelbo_per_token(rows, seed=3), generator.nelbo_per_token(rows, seed=3))
+  with pytest.raises(ValueError, match="positive"):
+    generator.infill("a", "b", sampler=sampler, lengths=())
