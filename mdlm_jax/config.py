@@ -47,6 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
   d.eps = 1e-3  # alpha(1) = eps: the noise schedule never reaches exactly 0.
   d.sampling_eps = 1e-3  # t ~ U[sampling_eps, 1] during training.
   d.antithetic = True
+  # > 0: block diffusion (BD3-LM) with blocks of this many tokens; 0: plain MDLM.
+  d.block_size = 0
 
   c.data = dt = ml_collections.ConfigDict()
   dt.corpus = "stdlib"  # "stdlib", a folder, a glob of text files, or a .jsonl file.
@@ -135,6 +137,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(0 < dt.validation_fraction < 1, "data.validation_fraction", f"must be in (0, 1), got {dt.validation_fraction}")
   _check(dt.seq_len >= 8, "data.seq_len", f"must be >= 8, got {dt.seq_len}")
   _check(dt.batch_size > 0, "data.batch_size", f"must be positive, got {dt.batch_size}")
+  bs = d.get("block_size", 0)
+  _check(isinstance(bs, int) and bs >= 0, "diffusion.block_size", f"must be an int >= 0 (0 = plain MDLM), got {bs!r}")
+  if bs > 0:
+    _check(c.objective != "ar", "diffusion.block_size", "block diffusion is a diffusion objective; set it to 0 for 'ar'")
+    _check(not m.time_conditioning, "model.time_conditioning",
+           "block diffusion samples one t per block but the model is conditioned on one t per sequence;"
+           " set model.time_conditioning=False")
+    _check(dt.seq_len % bs == 0, "diffusion.block_size", f"{bs} does not divide data.seq_len={dt.seq_len}")
   _check(dt.tokenizer_vocab_size >= 300, "data.tokenizer_vocab_size",
          f"must be >= 300 (256 byte pieces + specials + merges), got {dt.tokenizer_vocab_size}")
 

@@ -8,9 +8,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax import kernels
+from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.precision import PARAM_DTYPE, STATS_DTYPE
 from mdlm_jax.sharding import constrain
 
@@ -68,6 +69,14 @@ class Attention(nnx.Module):
                     ("heads", "kv", "embed"))
 
   def __call__(self, x, positions, *, causal: bool, mask=None):
+    return self.forward(x, positions, causal=causal, mask=mask)[0]
+
+  def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
+              mask: Bool[Array, "b #h l s"] | None = None, cache: KVCache | None = None,
+              layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
+    """Self-attention; with `cache`, the new keys/values are first written into
+    layer `layer` of the cache and the queries read the whole cache buffer
+    (`mask` then says which slots are visible). Returns the updated cache."""
     dt = self.dtype
     b, l, d = x.shape
     h, k = self.num_heads, self.head_dim
@@ -78,8 +87,11 @@ class Attention(nnx.Module):
     q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "act_heads", None))
     k_ = constrain(rope(k_, positions, self.rope_theta), ("batch", "length", "act_heads", None))
     v = constrain(v, ("batch", "length", "act_heads", None))
+    if cache is not None:
+      cache = cache.write(layer, k_, v)
+      k_, v = cache.layer(layer)
     o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
-    return dense(o.reshape(b * l, h * k), self.wo[...].reshape(h * k, d), dt).reshape(b, l, d)
+    return dense(o.reshape(b * l, h * k), self.wo[...].reshape(h * k, d), dt).reshape(b, l, d), cache
 
 
 class MLP(nnx.Module):

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.layers import MLP, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
 from mdlm_jax.precision import LOGITS_DTYPE, compute_dtype
 from mdlm_jax.sharding import constrain
@@ -64,17 +65,25 @@ class Block(nnx.Module):
     self.modulation = Modulation(cfg.cond_dim, cfg.embed_dim, 6, rngs=rngs) if cfg.time_conditioning else None
 
   def __call__(self, x, positions, cond, *, causal: bool, mask=None):
+    return self.forward(x, positions, cond, causal=causal, mask=mask)[0]
+
+  def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], cond: Float[Array, "b c"] | None, *,
+              causal: bool, mask: Bool[Array, "b #h l s"] | None = None, cache: KVCache | None = None,
+              layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
+    """One pre-norm block; with `cache`, attention reads and extends layer `layer` of it."""
     if self.modulation is None:
-      x = x + self.attn(self.attn_norm(x), positions, causal=causal, mask=mask)
+      a, cache = self.attn.forward(self.attn_norm(x), positions, causal=causal, mask=mask, cache=cache, layer=layer)
+      x = x + a
       x = constrain(x, ("batch", "length", "act_embed"))
       x = x + self.mlp(self.mlp_norm(x))
     else:
       sh1, sc1, g1, sh2, sc2, g2 = (m.astype(x.dtype) for m in self.modulation(cond))
       h = self.attn_norm(x) * (1 + sc1) + sh1
-      x = x + (1 + g1) * self.attn(h, positions, causal=causal, mask=mask)
+      a, cache = self.attn.forward(h, positions, causal=causal, mask=mask, cache=cache, layer=layer)
+      x = x + (1 + g1) * a
       x = constrain(x, ("batch", "length", "act_embed"))
       x = x + (1 + g2) * self.mlp(self.mlp_norm(x) * (1 + sc2) + sh2)
-    return constrain(x, ("batch", "length", "act_embed"))
+    return constrain(x, ("batch", "length", "act_embed")), cache
 
 
 class Transformer(nnx.Module):
@@ -93,10 +102,14 @@ class Transformer(nnx.Module):
   def hidden_states(self, tokens: Int[Array, "b l"], t: Float[Array, "b"] | None = None,
                     positions: Int[Array, "b l"] | None = None, mask=None):
     """Final normalised hidden states [b, l, d] in the compute dtype."""
-    cfg = self.cfg
-    dt = compute_dtype(cfg.dtype)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return self._trunk(tokens, t, positions, causal=self.cfg.causal, mask=mask)[0]
+
+  def _trunk(self, tokens, t, positions, *, causal: bool, mask, cache: KVCache | None = None):
+    """Embedding, blocks and final norm: the one body of the full and the cached forward."""
+    cfg = self.cfg
+    dt = compute_dtype(cfg.dtype)
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
     x = constrain(x, ("batch", "length", "act_embed"))
     cond = None
@@ -106,17 +119,41 @@ class Transformer(nnx.Module):
       cond = jax.nn.silu(self.time_embedding(t))
 
     def run_block(block, x):
-      return block(x, positions, cond, causal=cfg.causal, mask=mask)
+      return block(x, positions, cond, causal=causal, mask=mask)
 
     if cfg.remat:
       run_block = nnx.remat(run_block)
-    for block in self.blocks:
-      x = run_block(block, x)
+    for i, block in enumerate(self.blocks):
+      if cache is None:
+        x = run_block(block, x)
+      else:  # inference only: nothing to rematerialise
+        x, cache = block.forward(x, positions, cond, causal=causal, mask=mask, cache=cache, layer=i)
     x = self.final_norm(x)
     if self.final_modulation is not None:
       shift, scale = (m.astype(x.dtype) for m in self.final_modulation(cond))
       x = x * (1 + scale) + shift
-    return x
+    return x, cache
+
+  def forward_cached(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: KVCache, *,
+                     commit: bool, valid_new: Bool[Array, "b t"] | None = None,
+                     t: Float[Array, "b"] | None = None) -> tuple[Float[Array, "b t v"], KVCache]:
+    """Logits of t new tokens that read the cache's valid filled slots and each other.
+
+    The new tokens see one another causally when cfg.causal, else all of them
+    (a diffusion block sees its whole block); `valid_new` False marks padding,
+    which no query reads (padding queries give arbitrary logits). Keys get
+    RoPE at `positions`. With commit=True (static) the new keys/values are
+    kept at slots [length, length + t) and length advances by t; with
+    commit=False the input cache is returned, so a block can be re-denoised
+    against the same prefix. The cache needs room: length + t <= max_len.
+    """
+    b, n = tokens.shape
+    if valid_new is None:
+      valid_new = jnp.ones((b, n), jnp.bool_)
+    valid, mask = cache.attention_mask(valid_new, causal=self.cfg.causal)
+    # The cache layout is not "queries are the last keys": causality lives in the mask.
+    x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
+    return self.logits(x), (written.commit(valid, n) if commit else cache)
 
   def output_embedding(self) -> Float[Array, "d v"]:
     return self.embedding[...].T if self.head is None else self.head[...]

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mdlm_jax import diffusion
+from mdlm_jax import block_diffusion, diffusion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,38 @@ class MDLMObjective:
 
 
 @dataclasses.dataclass(frozen=True)
+class BD3Objective(MDLMObjective):
+  """Block diffusion NELBO (BD3-LM): per-block times, one pass over [x_t ; x_0].
+
+  A subclass of MDLMObjective because it is the same kind of quantity, a
+  NELBO bound averaged over random times and masks: evaluation treats both
+  alike (time_samples, `bound`). The model is never time-conditioned, since
+  its conditioning takes one t per sequence."""
+
+  block_size: int = dataclasses.field(kw_only=True)
+
+  def __post_init__(self):
+    if self.block_size <= 0:
+      raise ValueError(f"block_size must be positive, got {self.block_size}")
+    if self.time_conditioning:
+      raise ValueError("block diffusion has one t per block; the model's conditioning takes one per sequence")
+
+  def __call__(self, model, tokens, key, t=None):
+    """NELBO sum in nats and the token count; `t` [b, L / block_size]
+    overrides the sampled per-block times."""
+    b, l = tokens.shape
+    n = block_diffusion.count_blocks(l, self.block_size)
+    k_t, k_mask = jax.random.split(key)
+    if t is None:
+      t = block_diffusion.sample_block_times(k_t, b, n, antithetic=self.antithetic,
+                                             sampling_eps=self.sampling_eps)
+    xt, masked = block_diffusion.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
+    logits = block_diffusion.block_logits(model, xt, tokens, self.block_size)
+    per_token = block_diffusion.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+    return per_token.sum(), jnp.asarray(tokens.size, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class ARObjective:
   def __call__(self, model, tokens, key=None, t=None):
     del key, t
@@ -47,6 +79,11 @@ def from_config(config, mask_id: int):
   if config.objective == "ar":
     return ARObjective()
   d = config.diffusion
+  block_size = int(d.get("block_size", 0))  # configs saved before block diffusion lack the field
+  if block_size > 0:
+    return BD3Objective(
+        schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id), antithetic=bool(d.antithetic),
+        sampling_eps=float(d.sampling_eps), block_size=block_size)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),

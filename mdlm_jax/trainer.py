@@ -157,6 +157,11 @@ def _same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
       raise checkpoint.CheckpointError(
           f"the workdir's checkpoint has model.{k}={saved['model'].get(k)!r} but the config says {v!r};"
           " use a new --workdir or the same model config")
+  saved_block = saved.get("diffusion", {}).get("block_size", 0)
+  if saved_block != cur["diffusion"].get("block_size", 0):
+    raise checkpoint.CheckpointError(
+        f"the workdir's checkpoint has diffusion.block_size={saved_block} but the config says"
+        f" {cur['diffusion'].get('block_size', 0)}; use a new --workdir")
   if saved.get("objective") != cur["objective"]:
     raise checkpoint.CheckpointError(f"the workdir's checkpoint was trained with objective"
                                      f" {saved.get('objective')!r}, the config says {cur['objective']!r}")
@@ -219,7 +224,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     n_params = sum(x.size for x in jax.tree.leaves(params if resumed_meta is None else weights["params"]))
     tokens_per_step = config.data.batch_size * config.data.seq_len
-    flops_per_step = flops.train_flops_per_token(cfg, config.data.seq_len) * tokens_per_step
+    if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
+      # BD3-LM runs the network on [x_t ; x_0]: twice the tokens, twice the context.
+      flops_per_step = 2 * flops.train_flops_per_token(cfg, 2 * config.data.seq_len) * tokens_per_step
+    else:
+      flops_per_step = flops.train_flops_per_token(cfg, config.data.seq_len) * tokens_per_step
     peak = config.train.peak_flops_per_device or flops.device_peak_flops()
     peak_total = peak * jax.device_count()
     log(f"model: {n_params / 1e6:.2f}M params, objective {config.objective}, vocab {cfg.vocab_size},"

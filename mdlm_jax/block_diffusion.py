@@ -1,0 +1,107 @@
+"""Block diffusion (BD3-LM, Arriola et al. 2025): masked diffusion within
+blocks, autoregression across them.
+
+The sequence of length L is cut into L / L' blocks of L' tokens. Block b is
+noised at its own time t_b and denoised given the clean blocks before it, so
+
+    -log p(x) <= sum_b E_{t_b} [ w(t_b) sum_{l in b, x_t^l = [MASK]} -log p(x^l | x_t^b, x^{<b}) ].
+
+All blocks train in one forward pass over [x_t ; x_0] (length 2L), with an
+attention mask that lets noisy block b see itself and the clean blocks < b,
+and the clean half see itself block-causally (it supplies the context keys
+that a sampler would keep in its KV cache). RoPE positions repeat, so clean
+token i sits at the same position as noisy token i. With L' = L this is
+MDLM exactly: the noisy half never sees the clean half.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from mdlm_jax import diffusion
+
+
+def count_blocks(seq_len: int, block_size: int) -> int:
+  if block_size <= 0 or seq_len % block_size:
+    raise ValueError(f"block_size={block_size} must be positive and divide seq_len={seq_len}")
+  return seq_len // block_size
+
+
+def block_attention_mask(seq_len: int, block_size: int) -> np.ndarray:
+  """bool [2L, 2L], True = attend; rows and columns are [x_t ; x_0].
+
+  A numpy constant of static shape, so under jit it is folded into the
+  program instead of being rebuilt each step."""
+  count_blocks(seq_len, block_size)
+  blk = np.arange(seq_len) // block_size
+  q, k = blk[:, None], blk[None, :]
+  noisy_to_noisy = q == k  # block-diagonal: denoise a block jointly
+  noisy_to_clean = k < q  # offset block-causal: the clean context before it
+  clean_to_noisy = np.zeros((seq_len, seq_len), bool)  # clean keys never see noise
+  clean_to_clean = k <= q  # block-causal, as a sampler's KV cache would be built
+  return np.block([[noisy_to_noisy, noisy_to_clean], [clean_to_noisy, clean_to_clean]])
+
+
+def block_positions(seq_len: int) -> np.ndarray:
+  """int32 [2L] RoPE positions: [0..L-1, 0..L-1]."""
+  return np.tile(np.arange(seq_len, dtype=np.int32), 2)
+
+
+def sample_block_times(key: jax.Array, batch: int, num_blocks: int, antithetic: bool = True,
+                       sampling_eps: float = 1e-3) -> Float[Array, "b n"]:
+  """Per-block t ~ U[sampling_eps, 1], [batch, num_blocks].
+
+  Antithetic: the batch * num_blocks draws take one stratum each, assigned to
+  blocks by a random permutation. Blocks at different positions are not
+  exchangeable (block 0 has no context), so a fixed row-major map would give
+  block j only strata j, n + j, ... and bias each block's term; a random map
+  keeps every t_b marginally uniform. With one block per row the rows are
+  exchangeable and the fixed map of `diffusion.sample_times` is kept, so
+  block_size == seq_len draws exactly MDLM's times."""
+  if num_blocks == 1:
+    return diffusion.sample_times(key, batch, antithetic=antithetic, sampling_eps=sampling_eps)[:, None]
+  n = batch * num_blocks
+  u = jax.random.uniform(key, (n,), dtype=jnp.float32)
+  if antithetic:
+    strata = jax.random.permutation(jax.random.fold_in(key, 1), n).astype(jnp.float32)
+    u = jnp.minimum((strata + u) / n, 1.0 - 2.0 ** -24)
+  return ((1.0 - sampling_eps) * u + sampling_eps).reshape(batch, num_blocks)
+
+
+def block_forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b n"],
+                       schedule: diffusion.Schedule, mask_id: int) -> tuple[Int[Array, "b l"], Bool[Array, "b l"]]:
+  """x_t ~ q(x_t | x_0) with block b's tokens masked w.p. 1 - alpha(t_b).
+
+  The same uniform draws as `diffusion.forward_mask` for the same key, so one
+  block reproduces MDLM's masks."""
+  block_size = x0.shape[1] // t.shape[1]
+  p_mask = jnp.repeat(1.0 - schedule.alpha(t), block_size, axis=1, total_repeat_length=x0.shape[1])
+  masked = jax.random.uniform(key, x0.shape) < p_mask
+  return jnp.where(masked, mask_id, x0), masked
+
+
+def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size: int) -> Float[Array, "b l v"]:
+  """Logits of the x_t half of one forward pass over [x_t ; x_0]."""
+  b, l = xt.shape
+  tokens = jnp.concatenate([xt, x0], axis=1)
+  positions = jnp.broadcast_to(jnp.asarray(block_positions(l)), (b, 2 * l))
+  mask = jnp.broadcast_to(jnp.asarray(block_attention_mask(l, block_size)), (b, 1, 2 * l, 2 * l))
+  # Only the x_t half is scored: skip the vocabulary projection of the x_0 half.
+  return model.logits(model.hidden_states(tokens, None, positions, mask)[:, :l])
+
+
+def block_nelbo_per_token(logits: Float[Array, "b l v"], x0: Int[Array, "b l"], masked: Bool[Array, "b l"],
+                          t: Float[Array, "b n"], schedule: diffusion.Schedule, mask_id: int) -> Float[Array, "b l"]:
+  """w(t_b) * -log p(x_0) at masked positions of block b, 0 elsewhere.
+
+  Each block is the MDLM NELBO of a length-L' sequence at its own time, so
+  the blocks are folded into the batch and `diffusion.nelbo_per_token` used
+  as is."""
+  b, l, v = logits.shape
+  n = t.shape[1]
+  per = diffusion.nelbo_per_token(logits.reshape(b * n, l // n, v), x0.reshape(b * n, l // n),
+                                  masked.reshape(b * n, l // n), t.reshape(b * n), schedule, mask_id)
+  return per.reshape(b, l)

@@ -1,0 +1,92 @@
+"""A fixed-shape key/value cache for incremental decoding.
+
+Every buffer has its final shape from the start, so a decode loop carries the
+cache through `lax.while_loop`/`scan` and a jitted step never retraces: new
+keys are written with `dynamic_update_slice` at a traced offset, and a boolean
+mask over the slots (instead of a growing length) says what a query may read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from mdlm_jax.precision import compute_dtype
+from mdlm_jax.sharding import constrain
+
+if TYPE_CHECKING:
+  from mdlm_jax.model import ModelConfig
+
+STACKED_AXES = (None, "batch", "length", "act_heads", None)
+LAYER_AXES = ("batch", "length", "act_heads", None)
+
+
+@struct.dataclass
+class KVCache:
+  """Keys/values of every layer for `max_len` slots.
+
+  Slots [0, length) are filled, the same count for every row; `valid` marks
+  which filled slots hold real tokens (a left-padded prompt fills its pad
+  slots too, so that rows stay aligned, but they must never be attended to).
+  Keys are stored after RoPE, so a slot's position is baked in when written.
+  """
+
+  k: Float[Array, "n b s h d"]
+  v: Float[Array, "n b s h d"]
+  valid: Bool[Array, "b s"]
+  length: Int[Array, ""]
+
+  @classmethod
+  def init(cls, cfg: "ModelConfig", batch: int, max_len: int) -> "KVCache":
+    shape = (cfg.num_layers, batch, max_len, cfg.num_heads, cfg.resolved_head_dim)
+    dt = compute_dtype(cfg.dtype)
+    return cls(k=constrain(jnp.zeros(shape, dt), STACKED_AXES), v=constrain(jnp.zeros(shape, dt), STACKED_AXES),
+               valid=constrain(jnp.zeros((batch, max_len), jnp.bool_), ("batch", "length")),
+               length=jnp.zeros((), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def attention_mask(self, valid_new: Bool[Array, "b t"], *, causal: bool
+                     ) -> tuple[Bool[Array, "b s"], Bool[Array, "b 1 t s"]]:
+    """Which slots the t new tokens (to be written at [length, length + t)) may read.
+
+    Returns the slot validity with the new tokens' entries written in, and the mask:
+    valid filled slots, plus the new tokens themselves (all of them, or those
+    up to the query when causal). Slots past length + t are never visible, so
+    stale entries beyond the fill point (e.g. an uncommitted block) are ignored.
+    """
+    t = valid_new.shape[1]
+    if t > self.max_len:
+      raise ValueError(f"{t} new tokens do not fit a cache of {self.max_len} slots")
+    valid = jax.lax.dynamic_update_slice(self.valid, valid_new.astype(jnp.bool_), (0, self.length))
+    slot = jnp.arange(self.max_len, dtype=jnp.int32)
+    query_slot = self.length + jnp.arange(t, dtype=jnp.int32)
+    if causal:
+      visible = slot[None, :] <= query_slot[:, None]  # [t, s]
+    else:
+      visible = jnp.broadcast_to(slot[None, :] < self.length + t, (t, self.max_len))
+    mask = jnp.logical_and(valid[:, None, None, :], visible[None, None])
+    return valid, mask
+
+  def write(self, layer: int, k: Float[Array, "b t h d"], v: Float[Array, "b t h d"]) -> "KVCache":
+    """Writes one layer's new keys/values at [length, length + t); `length` is not advanced.
+
+    The caller must leave room: `dynamic_update_slice` clamps an offset that
+    would run past max_len instead of failing."""
+    start = (layer, 0, self.length, 0, 0)
+    nk = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
+    nv = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+    return self.replace(k=constrain(nk, STACKED_AXES), v=constrain(nv, STACKED_AXES))
+
+  def layer(self, layer: int) -> tuple[Float[Array, "b s h d"], Float[Array, "b s h d"]]:
+    return constrain(self.k[layer], LAYER_AXES), constrain(self.v[layer], LAYER_AXES)
+
+  def commit(self, valid: Bool[Array, "b s"], t: int) -> "KVCache":
+    """Marks the t slots written by the last forward as filled."""
+    return self.replace(valid=constrain(valid, ("batch", "length")), length=self.length + jnp.int32(t))

@@ -1,0 +1,291 @@
+"""Block diffusion (BD3-LM): the attention mask, information flow through a real
+model, the per-block NELBO against numpy, the MDLM limit, times, training."""
+
+import functools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_config
+from mdlm_jax import block_diffusion as bd
+from mdlm_jax import builder, config as config_lib, diffusion, objectives, trainer
+from mdlm_jax.diffusion import Schedule
+from mdlm_jax.model import ModelConfig
+from test_diffusion import EPS, KINDS, np_alpha, np_log_softmax_without, np_weight
+
+TINY = ModelConfig(vocab_size=40, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64)
+MASK_ID = TINY.vocab_size - 1
+
+# ------------------------------------------------------------- the mask
+
+
+def loop_mask(L, Lb):
+  """The four rules of the paper, one (i, j) pair at a time."""
+  m = np.zeros((2 * L, 2 * L), bool)
+  for i in range(2 * L):
+    for j in range(2 * L):
+      qi_clean, kj_clean = i >= L, j >= L
+      bi, bj = (i % L) // Lb, (j % L) // Lb
+      if not qi_clean and not kj_clean:
+        m[i, j] = bi == bj
+      elif not qi_clean and kj_clean:
+        m[i, j] = bj < bi
+      elif qi_clean and kj_clean:
+        m[i, j] = bj <= bi
+      else:
+        m[i, j] = False
+  return m
+
+
+@pytest.mark.parametrize("L,Lb", [(8, 1), (8, 2), (8, 4), (8, 8), (12, 3)])
+def test_mask_matches_loops(L, Lb):
+  m = bd.block_attention_mask(L, Lb)
+  assert m.shape == (2 * L, 2 * L) and m.dtype == np.bool_
+  np.testing.assert_array_equal(m, loop_mask(L, Lb))
+  assert not m[L:, :L].any()  # the clean half never sees noise
+  for b in range(L // Lb):  # each noisy block sees all of itself
+    s = slice(b * Lb, (b + 1) * Lb)
+    assert m[s, s].all()
+  assert not m[:Lb, L:].any()  # block 0 has no clean context
+  assert m.diagonal().all()  # every query has a key: no empty softmax rows
+  np.testing.assert_array_equal(bd.block_positions(L), np.r_[np.arange(L), np.arange(L)])
+
+
+def test_mask_rejects_bad_block_size():
+  for bad in (0, 3, -2):
+    with pytest.raises(ValueError):
+      bd.block_attention_mask(8, bad)
+
+
+# ------------------------------------------------------------- a real model
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model():
+  """Spec and numpy-drawn params: jitting the random init costs ~10 s on a
+  loaded 2-core CPU, far more than the forward passes under test."""
+  spec = builder.model_spec(TINY, None)
+  rng = np.random.default_rng(0)
+
+  def leaf(path, x):
+    if len(x.shape) == 1:  # norm scales
+      return jnp.ones(x.shape, jnp.float32)
+    fan_in = 1 if path[-1].key == "embedding" else x.shape[0]
+    return jnp.asarray(rng.normal(size=x.shape) / math.sqrt(fan_in), jnp.float32)
+
+  return spec, jax.tree_util.tree_map_with_path(leaf, spec.abstract)
+
+
+def test_information_flow():
+  """Logits of noisy block b depend on x_t only through block b, on x_0 only
+  through blocks < b, and do depend on the clean block b - 1."""
+  L, Lb = 8, 2
+  n = L // Lb
+  rng = np.random.default_rng(0)
+  x0 = rng.integers(0, MASK_ID, size=L)
+  xt = np.where(rng.random(L) < 0.5, MASK_ID, x0)
+  other = lambda a, where: np.where(where, (a + 1 + rng.integers(0, MASK_ID - 1, size=L)) % MASK_ID, a)
+  blk = np.arange(L) // Lb
+  rows, cases = [(xt, x0)], []
+  for b in range(n):
+    rows.append((other(xt, blk != b), x0)); cases.append((b, "xt other blocks", False))
+    rows.append((xt, other(x0, blk >= b))); cases.append((b, "x0 blocks >= b", False))
+    if b > 0:
+      rows.append((xt, other(x0, blk == b - 1))); cases.append((b, "x0 block b-1", True))
+  xts, x0s = (jnp.asarray(np.stack(r), jnp.int32) for r in zip(*rows))
+  spec, params = tiny_model()
+  logits = jax.jit(lambda p, xt, x0: bd.block_logits(builder.bind(spec, p), xt, x0, Lb))
+  out = np.asarray(logits(params, xts, x0s))
+  assert out.shape == (len(rows), L, TINY.vocab_size)
+  for row, (b, what, changes) in enumerate(cases, start=1):
+    diff = np.abs(out[row, blk == b] - out[0, blk == b]).max()
+    if changes:
+      assert diff > 1e-3, (b, what, diff)
+    else:
+      assert diff < 1e-6, (b, what, diff)
+
+
+def test_block_size_seq_len_is_mdlm():
+  """One block: x_t never sees x_0 and the same key draws the same times and
+  masks, so the loss is MDLM's on the same network."""
+  spec, params = tiny_model()
+  B, L = 4, 16
+  x0 = jnp.asarray(np.random.default_rng(1).integers(0, MASK_ID, size=(B, L)), jnp.int32)
+  s = Schedule("cosine", EPS)
+  bd3 = objectives.BD3Objective(s, MASK_ID, block_size=L)
+  mdlm = objectives.MDLMObjective(s, MASK_ID)
+  run = jax.jit(lambda obj, p, x, k: obj(builder.bind(spec, p), x, k), static_argnums=0)
+  for seed in range(2):
+    key = jax.random.key(seed)
+    (a, na), (b, nb) = run(bd3, params, x0, key), run(mdlm, params, x0, key)
+    assert float(na) == float(nb) == B * L
+    assert float(a) == pytest.approx(float(b), rel=1e-5)
+    assert float(a) > 0
+
+
+# ------------------------------------------------------------- the NELBO
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_nelbo_matches_numpy(kind):
+  rng = np.random.default_rng(2 + KINDS.index(kind))
+  B, L, n, V, mask_id = 3, 12, 4, 11, 5
+  logits = rng.normal(size=(B, L, V)).astype(np.float32) * 2
+  x0 = rng.choice([i for i in range(V) if i != mask_id], size=(B, L)).astype(np.int32)
+  masked = rng.random((B, L)) < 0.5
+  t = rng.uniform(0.01, 1.0, size=(B, n)).astype(np.float32)
+  got = np.asarray(bd.block_nelbo_per_token(jnp.asarray(logits), jnp.asarray(x0), jnp.asarray(masked),
+                                            jnp.asarray(t), Schedule(kind, EPS), mask_id), np.float64)
+  nll = -np.take_along_axis(np_log_softmax_without(logits, mask_id), x0[..., None], -1)[..., 0]
+  ref = np.zeros((B, L))
+  for i in range(B):
+    for l in range(L):
+      if masked[i, l]:
+        ref[i, l] = np_weight(kind, np.float64(t[i, l // (L // n)])) * nll[i, l]
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+  assert np.all(got[~masked] == 0.0)
+
+
+class Recorder:
+  """A fake model: fixed logits for the x_t half; records its inputs. The
+  "hidden states" are the logits themselves, and `logits` is the identity."""
+
+  def __init__(self, logits, record=True):
+    self.fixed_logits = jnp.asarray(logits)
+    self.record, self.calls = record, []
+
+  def hidden_states(self, tokens, t=None, positions=None, mask=None):
+    if self.record:
+      self.calls.append(tuple(None if a is None else np.asarray(a) for a in (tokens, t, positions, mask)))
+    pad = jnp.zeros_like(self.fixed_logits)
+    return jnp.concatenate([self.fixed_logits, pad], axis=1)
+
+  def logits(self, hidden):
+    return hidden
+
+  def __call__(self, tokens, t=None, positions=None, mask=None):
+    return self.logits(self.hidden_states(tokens, t, positions, mask))
+
+
+def test_bd3_objective_matches_numpy():
+  rng = np.random.default_rng(5)
+  B, L, Lb, V, mask_id = 3, 12, 3, 11, 0
+  logits = rng.normal(size=(B, L, V)).astype(np.float32)
+  x0 = rng.integers(1, V, size=(B, L)).astype(np.int32)
+  t = rng.uniform(0.2, 0.8, size=(B, L // Lb)).astype(np.float32)
+  model = Recorder(logits)
+  obj = objectives.BD3Objective(Schedule("linear", EPS), mask_id, block_size=Lb)
+  total, count = obj(model, jnp.asarray(x0), jax.random.key(6), t=jnp.asarray(t))
+  (tokens, t_seen, positions, mask), = model.calls
+  assert t_seen is None
+  np.testing.assert_array_equal(tokens[:, L:], x0)
+  np.testing.assert_array_equal(positions, np.broadcast_to(bd.block_positions(L), (B, 2 * L)))
+  np.testing.assert_array_equal(mask, np.broadcast_to(loop_mask(L, Lb), (B, 1, 2 * L, 2 * L)))
+  xt = tokens[:, :L]
+  masked = xt == mask_id
+  assert masked.any() and (~masked).any()
+  np.testing.assert_array_equal(xt[~masked], x0[~masked])
+  nll = -np.take_along_axis(np_log_softmax_without(logits, mask_id), x0[..., None], -1)[..., 0]
+  w = np_weight("linear", np.repeat(t.astype(np.float64), Lb, axis=1))
+  assert float(count) == x0.size
+  assert float(total) == pytest.approx(np.where(masked, w * nll, 0.0).sum(), rel=1e-5)
+
+
+def test_bd3_objective_is_unbiased():
+  """Logits that ignore the input, of a quality that differs by block: the
+  Monte Carlo mean must match sum_l E_t[-alpha'(t)] nll_l for every block
+  (a fixed row-major block -> stratum map would fail this)."""
+  B, L, Lb, V, K = 2, 8, 2, 7, 2000
+  rng = np.random.default_rng(7)
+  x0 = rng.integers(1, V, size=(B, L)).astype(np.int32)
+  logits = rng.normal(size=(B, L, V)).astype(np.float32)
+  logits[:, :Lb] *= 4.0
+  obj = objectives.BD3Objective(Schedule("cosine", EPS), 0, block_size=Lb)
+  fake = Recorder(logits, record=False)
+  keys = jax.random.split(jax.random.key(8), K)
+  est = np.asarray(jax.jit(lambda ks: jax.lax.map(lambda k: obj(fake, jnp.asarray(x0), k)[0] / x0.size, ks))(keys),
+                   np.float64)
+  nll = -np.take_along_axis(np_log_softmax_without(logits, 0), x0[..., None], -1)[..., 0]
+  expected = (np_alpha("cosine", 1e-3) - np_alpha("cosine", 1.0)) / (1 - 1e-3) * nll.mean()
+  se = est.std(ddof=1) / math.sqrt(K)
+  assert abs(est.mean() - expected) < 4.5 * se, (est.mean(), expected, se)
+
+
+# ------------------------------------------------------------- times
+
+
+@pytest.mark.parametrize("batch,n,antithetic", [(2, 4, True), (3, 5, True), (2, 4, False)])
+def test_block_times_strata_and_range(batch, n, antithetic):
+  """t in [eps, 1]; every (row, block) slot marginally U[eps, 1] (mean
+  (1 + eps) / 2); antithetic: each of the batch * n strata exactly once."""
+  s_eps, K = 1e-3, 400
+  keys = jax.random.split(jax.random.key(9), K)
+  t = jax.jit(jax.vmap(lambda k: bd.sample_block_times(k, batch, n, antithetic, s_eps)))(keys)
+  assert t.dtype == jnp.float32 and t.shape == (K, batch, n)
+  t = np.asarray(t, np.float64)
+  assert np.all((t >= s_eps - 1e-7) & (t <= 1.0))
+  assert np.all(np.abs(t.mean(0) - (1 + s_eps) / 2) < 5 / math.sqrt(12 * K)), t.mean(0)
+  assert not np.array_equal(t[0], t[1])
+  if antithetic:
+    strata = np.sort(np.floor((t - s_eps) / (1 - s_eps) * batch * n).reshape(K, -1), axis=1)
+    np.testing.assert_array_equal(strata, np.broadcast_to(np.arange(batch * n), strata.shape))
+
+
+def test_one_block_times_are_mdlm_times():
+  key = jax.random.key(10)
+  np.testing.assert_array_equal(np.asarray(bd.sample_block_times(key, 6, 1, True, 1e-3))[:, 0],
+                                np.asarray(diffusion.sample_times(key, 6, antithetic=True, sampling_eps=1e-3)))
+
+
+# ------------------------------------------------------------- config and training
+
+
+def test_config_validation(tiny_config):
+  c = tiny_config
+  c.diffusion.block_size = 16
+  config_lib.validate(c)
+  assert isinstance(objectives.from_config(c, 3), objectives.BD3Objective)
+  c.diffusion.block_size = 0
+  assert type(objectives.from_config(c, 3)) is objectives.MDLMObjective
+  for field, value, match in [("diffusion.block_size", 24, "divide"), ("diffusion.block_size", -1, ">= 0")]:
+    c = load_config("tiny")
+    c.diffusion.block_size = value
+    with pytest.raises(config_lib.ConfigError, match=match):
+      config_lib.validate(c)
+  c = load_config("tiny")
+  c.update(objective="ar")
+  c.model.causal = True
+  c.diffusion.block_size = 16
+  with pytest.raises(config_lib.ConfigError, match="diffusion.block_size"):
+    config_lib.validate(c)
+  c = load_config("tiny")
+  c.model.time_conditioning = True
+  c.diffusion.block_size = 16
+  with pytest.raises(config_lib.ConfigError, match="model.time_conditioning"):
+    config_lib.validate(c)
+  with pytest.raises(ValueError):
+    objectives.BD3Objective(Schedule(), 3, time_conditioning=True, block_size=4)
+  c = config_lib.validate(load_config("bd3_code_small"))
+  assert c.diffusion.block_size == 16 and c.data.seq_len == 256
+
+
+def test_training_loss_falls(tiny_config, tmp_path):
+  c = tiny_config
+  c.diffusion.block_size = 16
+  # A fixed peak skips the CPU matmul benchmark; one eval batch and draw keep the final eval cheap.
+  c.train.update(num_steps=30, log_every=1, checkpoint_every=1000, eval_batches=1, peak_flops_per_device=1e10)
+  c.eval.time_samples = 1
+  out = trainer.train(c, str(tmp_path))
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    train = [r for r in map(json.loads, f) if r["kind"] == "train"]
+  assert len(train) == 30
+  first = np.mean([r["loss"] for r in train[:5]])
+  last = np.mean([r["loss"] for r in train[-5:]])
+  assert first - last > 0.5, (first, last)
+  ev = out["eval"]
+  assert ev["bound"] and np.isfinite(ev["nats_per_token"])

@@ -1,0 +1,193 @@
+"""Transformer.forward_cached against the uncached forward: prefill + decode, block diffusion, padding, a mesh."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from mdlm_jax import sharding
+from mdlm_jax.builder import bind, model_spec
+from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.model import ModelConfig
+
+BASE = dict(vocab_size=50, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, cond_dim=16)
+CAUSAL = (("causal", True),)
+DIFFUSION = (("causal", False), ("time_conditioning", True), ("tie_embeddings", False))
+B, P = 2, 5
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def random_params(abstract, seed):
+  """Numpy-drawn float32 params; adaLN modulation non-zero so that t matters."""
+  rng = np.random.default_rng(seed)
+
+  def leaf(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    if keys[-1] == "embedding":
+      w = rng.normal(size=x.shape)
+    elif keys[-1] == "scale":
+      w = 1.0 + 0.3 * rng.normal(size=x.shape)
+    elif "modulation" in keys or "final_modulation" in keys or keys[-1] in ("b1", "b2"):
+      w = 0.2 * rng.normal(size=x.shape)
+    else:
+      w = rng.normal(size=x.shape) / math.sqrt(x.shape[0] * x.shape[1] if keys[-1] == "wo" else x.shape[0])
+    return jnp.asarray(w, jnp.float32)
+
+  return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+@functools.lru_cache(maxsize=None)
+def setup(kw):
+  """(spec, params, full forward, cached forward, trace log), shared across tests to share compiles."""
+  cfg = ModelConfig(**{**BASE, **dict(kw)})
+  spec = model_spec(cfg, None)
+  params = random_params(spec.abstract, 0)
+  traces = []
+
+  @jax.jit
+  def full(params, tokens, positions, mask, t):
+    return bind(spec, params)(tokens, t, positions, mask)
+
+  @functools.partial(jax.jit, static_argnames="commit")
+  def cached(params, tokens, positions, cache, valid_new, t, *, commit):
+    traces.append((tokens.shape, commit))
+    return bind(spec, params).forward_cached(tokens, positions, cache, commit=commit, valid_new=valid_new, t=t)
+
+  return spec, params, full, cached, traces
+
+
+def tokens_of(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, BASE["vocab_size"], size=shape), jnp.int32)
+
+
+def arange_pos(b, start, n):
+  return jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (b, n))
+
+
+def left_padded(seed, length, n_real):
+  """Rows of real tokens laid out two ways: right-aligned [b, length] (the unpadded reference: real
+  tokens first, positions from 0, trailing junk hidden by causality or a mask) and a left-padded
+  prompt [b, P] (junk pads marked invalid) with its positions, counting real tokens only."""
+  real = np.asarray(tokens_of(seed, (B, length)))
+  valid = np.arange(P)[None, :] >= (P - n_real)[:, None]
+  prompt = np.full((B, P), 7, np.int32)
+  for r in range(B):
+    prompt[r, P - n_real[r]:] = real[r, :n_real[r]]
+  positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
+  return real, jnp.asarray(prompt), jnp.asarray(valid), jnp.asarray(positions)
+
+
+def block_causal_mask(n_real, block, n_blocks, length):
+  """[b, 1, L, L] for right-aligned rows: row r's prefix (n_real[r] tokens) sees itself, its
+  block j sees the prefix and blocks <= j; nobody sees the trailing junk."""
+  masks = []
+  for n in n_real:
+    group = np.concatenate([np.zeros(n, int), 1 + np.repeat(np.arange(n_blocks), block)])
+    group = np.concatenate([group, np.full(length - len(group), 10 ** 6)])  # junk: a group nobody reaches
+    masks.append(group[None, :] <= group[:, None])
+  return jnp.asarray(np.stack(masks)[:, None])
+
+
+def rows(logits, n_real, lo, n):
+  """Each row's logits at its own right-aligned positions [n_real[r] + lo, n_real[r] + lo + n)."""
+  return np.stack([np.asarray(logits)[r, n_real[r] + lo:n_real[r] + lo + n] for r in range(B)])
+
+
+def assert_same_cache(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_init_shapes_and_dtype():
+  cfg = ModelConfig(**BASE, head_dim=6, dtype="bfloat16")
+  c = KVCache.init(cfg, 3, 11)
+  assert c.k.shape == c.v.shape == (2, 3, 11, 4, 6) and c.k.dtype == jnp.bfloat16
+  assert c.valid.shape == (3, 11) and not np.any(c.valid) and int(c.length) == 0 and c.max_len == 11
+
+
+N_REAL = np.array([P, 3])  # row 1: two invalid pad slots on the left
+
+
+def test_causal_prefill_then_decode_matches_full_forward():
+  """Left-padded prefill, then 4 single-token steps: every real token's logits equal the full
+  causal forward of its row alone, and the jitted step (cache in, cache out) is traced once per shape."""
+  spec, params, full, cached, traces = setup(CAUSAL)
+  steps = 4
+  real, prompt, valid, positions = left_padded(1, P + steps, N_REAL)
+  ref = full(params, jnp.asarray(real), arange_pos(B, 0, P + steps), None, None)
+  cache = KVCache.init(spec.cfg, B, P + steps + 2)  # spare slots must stay invisible
+  n0 = len(traces)
+  logits, cache = cached(params, prompt, positions, cache, valid, None, commit=True)
+  for r in range(B):
+    np.testing.assert_allclose(np.asarray(logits)[r, P - N_REAL[r]:], np.asarray(ref)[r, :N_REAL[r]], **TOL)
+  for i in range(steps):
+    tok = jnp.asarray(np.stack([real[r, N_REAL[r] + i] for r in range(B)])[:, None])
+    pos = jnp.asarray(N_REAL[:, None] + i, jnp.int32)
+    logits, cache = cached(params, tok, pos, cache, None, None, commit=True)
+    assert logits.shape == (B, 1, BASE["vocab_size"]) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), rows(ref, N_REAL, i, 1), **TOL)
+  assert int(cache.length) == P + steps
+  np.testing.assert_array_equal(np.asarray(cache.valid), np.concatenate(
+      [np.asarray(valid), np.ones((B, steps), bool), np.zeros((B, 2), bool)], axis=1))
+  assert len(traces) - n0 == 2  # one prefill trace, one decode trace for all steps
+
+
+def test_block_diffusion_cache_matches_block_causal_reference():
+  """A clean left-padded prefix, then 3 blocks of a time-conditioned bidirectional model: each
+  block denoised with commit=False (cache untouched), then committed; every real token's logits
+  equal the full forward of its row, [prefix; blocks], under the block-causal mask."""
+  spec, params, full, cached, _ = setup(DIFFUSION)
+  blk, n_blocks = 3, 3
+  length = P + blk * n_blocks
+  real, prompt, valid, positions = left_padded(2, length, N_REAL)
+  t = jnp.asarray([0.3, 0.8], jnp.float32)
+  mask = block_causal_mask(N_REAL, blk, n_blocks, length)
+  ref = full(params, jnp.asarray(real), arange_pos(B, 0, length), mask, t)
+  # t matters: the same input at another t differs.
+  other = full(params, jnp.asarray(real), arange_pos(B, 0, length), mask, t[::-1])
+  assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
+
+  cache = KVCache.init(spec.cfg, B, length)
+  logits, cache = cached(params, prompt, positions, cache, valid, t, commit=True)
+  for r in range(B):
+    np.testing.assert_allclose(np.asarray(logits)[r, P - N_REAL[r]:], np.asarray(ref)[r, :N_REAL[r]], **TOL)
+  for j in range(n_blocks):
+    lo = j * blk
+    block = jnp.asarray(np.stack([real[r, N_REAL[r] + lo:N_REAL[r] + lo + blk] for r in range(B)]))
+    pos = jnp.asarray(N_REAL[:, None] + lo + np.arange(blk)[None], jnp.int32)
+    logits, same = cached(params, block, pos, cache, None, t, commit=False)
+    np.testing.assert_allclose(np.asarray(logits), rows(ref, N_REAL, lo, blk), **TOL)
+    assert_same_cache(same, cache)
+    logits_commit, cache = cached(params, block, pos, cache, None, t, commit=True)
+    np.testing.assert_allclose(np.asarray(logits_commit), np.asarray(logits), rtol=0, atol=1e-6)
+    assert int(cache.length) == P + lo + blk
+
+
+def test_cache_under_mesh_matches_single_device():
+  """With params sharded over a data x tensor mesh, the cache is sharded over batch and heads
+  and the cached logits equal the uncached single-device forward."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 host devices (tests/conftest.py sets XLA_FLAGS)")
+  spec0, params0, full, _, _ = setup(CAUSAL)
+  tokens = tokens_of(4, (B, P + 4))  # the shape of the causal test's reference: no new compile
+  ref = np.asarray(full(params0, tokens, arange_pos(B, 0, P + 4), None, None))
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 1, "tensor": 2}), jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    spec = model_spec(spec0.cfg, mesh)
+    params = jax.device_put(params0, spec.shardings)
+
+    @functools.partial(jax.jit, static_argnames="commit")
+    def step(params, tokens, positions, cache, *, commit):
+      return bind(spec, params).forward_cached(tokens, positions, cache, commit=commit)
+
+    # One token per call (prefill included): one compile, which dominates this test.
+    cache = KVCache.init(spec.cfg, B, P + 2)
+    for pos in range(P + 2):
+      logits, cache = step(params, tokens[:, pos:pos + 1], arange_pos(B, pos, 1), cache, commit=True)
+      np.testing.assert_allclose(np.asarray(logits[:, 0]), ref[:, pos], **TOL)
+    # Each device holds half the rows and half the heads of every layer.
+    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, 1, P + 2, 2, 8)
