@@ -32,6 +32,7 @@ def parse(argv):
   p.add_argument("--block-size", type=int, default=None, help="semi-autoregressive block size (0: one block)")
   p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
   p.add_argument("--temperature", type=float, default=None)
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (AR checkpoints)")
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
@@ -87,12 +88,19 @@ def main(argv=None):
   cli.drop_closed_loop_noise()
   try:
     from mdlm_jax import builder
-    from mdlm_jax.sampling.generate import Generator
+    from mdlm_jax.sampling.ar import ARSampler
+    from mdlm_jax.sampling.generate import generator_for
     from mdlm_jax.sampling.presets import sampler_for
-    sampler = sampler_for(a.effort, sampler=a.sampler, steps=a.steps, block_size=a.block_size,
-                          threshold=a.threshold, temperature=a.temperature)
     loaded = builder.load(a.checkpoint or packaged_checkpoint())
-    gen = Generator(loaded)
+    gen = generator_for(loaded)
+    if loaded.spec.cfg.causal:
+      if a.show_steps or a.infill_lengths or a.sampler or a.steps or a.block_size is not None or a.threshold:
+        raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
+                         " --block-size and --threshold apply to diffusion models only")
+      sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0, top_p=a.top_p)
+    else:
+      sampler = sampler_for(a.effort, sampler=a.sampler, steps=a.steps, block_size=a.block_size,
+                            threshold=a.threshold, temperature=a.temperature)
     prompts = [a.prompt] * a.num_samples
     suffixes = [a.suffix] * a.num_samples if a.suffix is not None else None
     view = DraftView(a.prompt) if a.show_steps else None

@@ -184,4 +184,51 @@ class Generator:
     return "".join(pieces)
 
 
-__all__ = ["Generator", "Completion", "Result", "AncestralSampler", "truncate_at_stop"]
+class ARGenerator:
+  """The AR twin behind the same text-in/text-out interface (KV-cached decoding)."""
+
+  def __init__(self, loaded: LoadedModel, mesh=None):
+    if not loaded.spec.cfg.causal:
+      raise ValueError("this checkpoint is a diffusion model; use Generator")
+    self.loaded, self.mesh, self.tok = loaded, mesh, loaded.tokenizer
+
+  def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
+    return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+
+  def generate(self, prompts: Sequence[str], *, max_new_tokens: int, sampler=None, seed: int = 0,
+               stop: Sequence[str] = (), add_bos: bool = True, temperature: float = 0.0,
+               top_p: float = 1.0, **unused) -> Result:
+    from mdlm_jax.sampling.ar import ARSampler
+    if unused.get("suffixes") is not None:
+      raise ValueError("an autoregressive model cannot fill in the middle (no --suffix)")
+    sampler = sampler or ARSampler(max_new_tokens, temperature=temperature, top_p=top_p)
+    ids = [self.encode_prompt(p, add_bos) for p in prompts]
+    width = max(16, -(-max(len(i) for i in ids) // 16) * 16)
+    tokens = np.full((len(ids), width), self.tok.pad_id, np.int32)
+    valid = np.zeros((len(ids), width), bool)
+    for r, row in enumerate(ids):
+      tokens[r, width - len(row):], valid[r, width - len(row):] = row, True
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+      arrays = [jnp.asarray(tokens), jnp.asarray(valid)]
+      if self.mesh is not None:
+        stack.enter_context(jax.set_mesh(self.mesh))
+        arrays = [jax.device_put(x, sharding.batch_sharding(self.mesh)) for x in arrays]
+      out = jax.device_get(sampler.generate(self.loaded.spec, self.loaded.params, *arrays, jax.random.PRNGKey(seed),
+                                            eos_id=self.tok.eos_id, pad_id=self.tok.pad_id))
+    seconds = time.perf_counter() - t0
+    completions = []
+    for r in range(len(ids)):
+      gen = out["tokens"][r, :int(out["lengths"][r])]
+      finish = "stop" if int(out["lengths"][r]) < sampler.max_new_tokens else "length"
+      text, stopped = truncate_at_stop(self.tok.decode(gen.tolist()), stop)
+      completions.append(Completion(text, gen.tolist(), "stop" if stopped else finish, len(ids[r])))
+    n = int(out["num_forward_passes"])
+    return Result(completions, n, n, seconds)
+
+
+def generator_for(loaded: LoadedModel, mesh=None):
+  return ARGenerator(loaded, mesh) if loaded.spec.cfg.causal else Generator(loaded, mesh)
+
+
+__all__ = ["ARGenerator", "generator_for", "Generator", "Completion", "Result", "AncestralSampler", "truncate_at_stop"]

@@ -1,0 +1,81 @@
+"""python -m mdlm_jax.sample: runs in seconds on CPU; bad flags and checkpoints fail clearly."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, load_config
+from mdlm_jax import trainer
+
+
+def run(*args, timeout=240):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run([sys.executable, "-m", "mdlm_jax.sample", *args], capture_output=True, text=True,
+                        env=env, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_tokenizer_path):
+  out = {}
+  for objective in ("mdlm", "ar"):
+    c = load_config("tiny")
+    c.data.tokenizer = tiny_tokenizer_path
+    c.objective, c.model.causal = objective, objective == "ar"
+    c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
+    out[objective] = str(tmp_path_factory.mktemp(objective))
+    trainer.train(c, out[objective])
+  return out
+
+
+def test_diffusion_cli_json(checkpoints):
+  r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=def f(x):\n", "--max-new-tokens=12", "--effort=low",
+          "--num-samples=2", "--json")
+  assert r.returncode == 0, r.stderr
+  res = json.loads(r.stdout)
+  assert len(res["completions"]) == 2 and res["forward_passes"] >= 1
+  assert all(c["tokens"] <= 12 for c in res["completions"])
+
+
+def test_show_steps_and_infill(checkpoints):
+  r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x = ", "--suffix=\n", "--max-new-tokens=6",
+          "--sampler=low_confidence", "--steps=3", "--block-size=0", "--show-steps")
+  assert r.returncode == 0, r.stderr
+  steps = [line for line in r.stderr.splitlines() if line.startswith("[step ")]
+  assert [s for s in steps] == [f"[step {i}]" for i in range(4)]  # the empty canvas, then 3 steps
+  assert "\u2591" * 6 in r.stderr  # the first draft is all [MASK]
+  r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x = ", "--suffix=\n", "--infill-lengths=2,4")
+  assert r.returncode == 0, r.stderr
+  assert "infill NELBO nats/token by middle length: 2:" in r.stderr
+
+
+def test_ar_checkpoint(checkpoints):
+  r = run(f"--checkpoint={checkpoints['ar']}", "--prompt=import ", "--max-new-tokens=5", "--temperature=1",
+          "--top-p=0.9", "--json")
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout)["forward_passes"] <= 5
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens=0"], "--max-new-tokens must be >= 1"),
+    (["--effort=extreme"], "invalid choice: 'extreme'"),
+    (["--threshold=1.5"], "--threshold must be in [0, 1]"),
+    (["--effort=high", "--threshold=0.5"], "--threshold does not apply to the LowConfidenceSampler"),
+    (["--infill-lengths=4,8"], "--infill-lengths needs --suffix"),
+    (["--suffix=x", "--infill-lengths=a,b"], "comma-separated integers"),
+])
+def test_bad_flags(checkpoints, args, message):
+  r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x", *args)
+  assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unusable_checkpoints(checkpoints, tmp_path):
+  r = run(f"--checkpoint={tmp_path / 'missing'}", "--prompt=x")
+  assert r.returncode != 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+  (tmp_path / "empty").mkdir()
+  r = run(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
+  assert r.returncode != 0 and "no checkpoint found" in r.stderr
+  r = run(f"--checkpoint={checkpoints['ar']}", "--prompt=x", "--suffix=y")
+  assert r.returncode != 0 and "cannot fill in the middle" in r.stderr and "Traceback" not in r.stderr
