@@ -20,6 +20,8 @@ SAMPLERS = [
     LowConfidenceSampler(steps=4, block_size=8, temperature=0.7),
     LowConfidenceSampler(steps=6, block_size=0, temperature=0.0),
     ThresholdSampler(threshold=0.05, block_size=8, temperature=1.0),
+    ThresholdSampler(threshold=0.1, block_size=8, temperature=1.0, kv_cache=True),
+    LowConfidenceSampler(steps=4, block_size=8, kv_cache=True),
 ]
 
 
@@ -45,7 +47,7 @@ def committed_never_change(drafts, mask_id):
 def test_invariants(generator, sampler):
   tok = generator.tok
   prompts = ["def add(a, b):\n", "import os\nimport sys\n\n"]
-  suffixes = ["\n    return c\n", ""]
+  suffixes = ["\n    return c\n", ""] if not getattr(sampler, "is_block_causal", False) else ["", ""]
   ids = [generator.encode_prompt(p) for p in prompts]
   canvas = make_canvas(ids, 24, mask_id=tok.mask_id, pad_id=tok.pad_id, suffixes=[tok.encode(s) for s in suffixes])
   layout = Layout(canvas.gen_start, canvas.gen_len, tok.mask_id, tok.eos_id)
@@ -174,3 +176,22 @@ def test_infill_searches_lengths_and_keeps_prefix_suffix(generator):
   np.testing.assert_array_equal(generator.nelbo_per_token(rows, seed=3), generator.nelbo_per_token(rows, seed=3))
   with pytest.raises(ValueError, match="positive"):
     generator.infill("a", "b", sampler=sampler, lengths=())
+
+
+@pytest.mark.parametrize("sampler", [LowConfidenceSampler(steps=4, block_size=8, temperature=1.0),
+                                     ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)],
+                         ids=lambda s: type(s).__name__)
+def test_kv_cached_blocks_equal_uncached_block_causal(generator, sampler):
+  import dataclasses
+  prompts = ["def f(x):\n", "import os\nimport re\n"]
+  cached = generator.generate(prompts, max_new_tokens=20, sampler=dataclasses.replace(sampler, kv_cache=True),
+                              seed=7)
+  full = generator.generate(prompts, max_new_tokens=20, sampler=dataclasses.replace(sampler, block_causal=True),
+                            seed=7)
+  assert [c.tokens for c in cached.completions] == [c.tokens for c in full.completions]
+  assert cached.steps == full.steps
+  # One prefill, one pass per step, and one clean pass per finished block.
+  assert cached.forward_passes == 1 + cached.steps + 3
+  with pytest.raises(ValueError, match="cannot see a suffix"):
+    generator.generate(prompts, max_new_tokens=8, sampler=dataclasses.replace(sampler, kv_cache=True),
+                       suffixes=["x", "y"])

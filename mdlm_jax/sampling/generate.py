@@ -16,7 +16,8 @@ import numpy as np
 from mdlm_jax import sharding
 from mdlm_jax.builder import LoadedModel, bind
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
-from mdlm_jax.sampling.samplers import AncestralSampler, Layout
+from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.sampling.samplers import AncestralSampler, Layout, block_causal_mask
 
 
 @dataclasses.dataclass
@@ -57,12 +58,28 @@ class Generator:
   def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, emit=None):
     model = bind(self.loaded.spec, params)
     B, L = tokens.shape
-    attn_mask = jnp.broadcast_to(valid[:, None, None, :], (B, 1, L, L))  # never attend to padding
+    if getattr(sampler, "is_block_causal", False):
+      attn_mask = block_causal_mask(valid, layout, sampler.block_size)
+    else:
+      attn_mask = jnp.broadcast_to(valid[:, None, None, :], (B, 1, L, L))  # never attend to padding
+    tc, cfg = self.time_conditioned, self.loaded.spec.cfg
 
-    def denoise(toks, t):
-      return model(toks, t if self.time_conditioned else None, positions, attn_mask)
+    class Denoiser:
+      """The model as the samplers see it: full-canvas passes, or cached blocks."""
 
-    return sampler.run(denoise, tokens, valid, key, layout, record, emit)
+      def __call__(self, toks, t):
+        return model(toks, t if tc else None, positions, attn_mask)
+
+      def cached(self, toks, pos, cache, commit, valid_new):
+        frac = jnp.mean(toks == layout.mask_id, axis=-1).astype(jnp.float32)
+        return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new, t=frac if tc else None)
+
+      def new_cache(self, batch, max_len):
+        return KVCache.init(cfg, batch, max_len)
+
+    denoiser = Denoiser()
+    denoiser.positions = positions  # the canvas's RoPE positions, for cached blocks
+    return sampler.run(denoiser, tokens, valid, key, layout, record, emit)
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
     return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
@@ -75,7 +92,15 @@ class Generator:
     shaded block), while the loop is still running."""
     ids = [self.encode_prompt(p, add_bos) for p in prompts]
     suf = [self.tok.encode(s) for s in suffixes] if suffixes is not None else None
-    canvas = make_canvas(ids, max_new_tokens, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
+    gen_len = max_new_tokens
+    if getattr(sampler, "is_block_causal", False):
+      if suf is not None and any(suf):
+        raise ValueError("block-causal (KV-cached) decoding cannot see a suffix; infill with a"
+                         " bidirectional sampler")
+      if sampler.block_size <= 0:
+        raise ValueError("block-causal decoding needs block_size > 0")
+      gen_len = -(-max_new_tokens // sampler.block_size) * sampler.block_size  # whole blocks; cut below
+    canvas = make_canvas(ids, gen_len, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
     layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id)
     emit = None
     if on_draft is not None:
@@ -95,7 +120,8 @@ class Generator:
                       record=record_drafts, emit=emit)
       out = jax.device_get(out)
     seconds = time.perf_counter() - t0
-    completions = [self._finish(canvas, out, i, ids[i], stop, record_drafts) for i in range(len(prompts))]
+    completions = [self._finish(canvas, out, i, ids[i], stop, record_drafts, max_new_tokens)
+                   for i in range(len(prompts))]
     return Result(completions, int(out["nfe"]), int(out["steps"]), seconds)
 
   def nelbo_per_token(self, rows: Sequence[Sequence[int]], *, time_samples: int = 16, seed: int = 0) -> np.ndarray:
@@ -151,8 +177,8 @@ class Generator:
   def region(self, canvas: Canvas, tokens: np.ndarray, row: int) -> np.ndarray:
     return tokens[row, canvas.gen_start:canvas.gen_start + canvas.gen_len]
 
-  def _finish(self, canvas, out, row, prompt_ids, stop, record) -> Completion:
-    gen = self.region(canvas, out["tokens"], row)
+  def _finish(self, canvas, out, row, prompt_ids, stop, record, max_new_tokens) -> Completion:
+    gen = self.region(canvas, out["tokens"], row)[:max_new_tokens]
     eos = np.flatnonzero(gen == self.tok.eos_id)
     finish = "length"
     if eos.size:

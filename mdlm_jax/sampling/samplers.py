@@ -35,13 +35,24 @@ def _exclude_mask(logits, mask_id):
   return logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
 
 
-def propose(key, logits, mask_id: int, temperature: float):
+def column_uniform(key, shape, columns):
+  """Uniform noise [B, T, V] whose column t depends only on (key, columns[t]):
+  a block decoded alone draws the same noise as inside the full canvas."""
+  b, _, v = shape
+  tiny = jnp.finfo(jnp.float32).tiny
+  per_col = jax.vmap(lambda c: jax.random.uniform(jax.random.fold_in(key, c), (b, v), jnp.float32, tiny, 1.0))
+  return jnp.swapaxes(per_col(columns), 0, 1)
+
+
+def propose(key, logits, mask_id: int, temperature: float, columns=None):
   """Per position: a proposal x0 (Gumbel-max at `temperature`, argmax at 0)
-  and its probability under the untempered p(x0)."""
+  and its probability under the untempered p(x0). `columns`: the canvas
+  columns of the positions (default 0..T-1), which key the noise."""
   logits = _exclude_mask(logits, mask_id)
   logp = jax.nn.log_softmax(logits, axis=-1)
   if temperature > 0:
-    u = jax.random.uniform(key, logits.shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    cols = jnp.arange(logits.shape[1]) if columns is None else columns
+    u = column_uniform(key, logits.shape, cols)
     x0 = jnp.argmax(logits / temperature - jnp.log(-jnp.log(u)), axis=-1)
   else:
     x0 = jnp.argmax(logits, axis=-1)
@@ -89,11 +100,24 @@ def _eos_in(tokens, lo, hi, eos_id, length):
 class _ConfidenceBase:
   block_size: int = 32  # 0: one block spanning the whole generation region
   temperature: float = 0.0
+  # Block-causal decoding: a block sees the prompt, the finished blocks and
+  # itself, never the masked blocks after it (exact for BD3-LM models). With
+  # kv_cache the prompt and each finished block are encoded once, and a step
+  # runs the network on the current block only; block_causal alone gives the
+  # same result from full-canvas passes (the uncached reference).
+  kv_cache: bool = False
+  block_causal: bool = False
+
+  @property
+  def is_block_causal(self) -> bool:
+    return self.kv_cache or self.block_causal
 
   def max_iterations(self, lay: Layout) -> int:
     return len(block_bounds(lay.gen_start, lay.gen_len, self.block_size)) * self._steps_cap(lay)
 
   def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
+    if self.kv_cache:
+      return self._run_cached(denoise, tokens, valid, key, lay, record, emit)
     bounds = block_bounds(lay.gen_start, lay.gen_len, self.block_size)
     lo_arr = jnp.asarray([b[0] for b in bounds], jnp.int32)
     hi_arr = jnp.asarray([b[1] for b in bounds], jnp.int32)
@@ -133,6 +157,68 @@ class _ConfidenceBase:
     out = jax.lax.while_loop(cond, body, init)
     return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
             "num_drafts": out["n_drafts"]}
+
+
+def _run_cached(self, model, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
+  """Block-by-block decoding against a KV cache of the prompt and finished
+  blocks. `model` provides `cached(tokens, positions, cache, commit, valid_new)`
+  -> (logits, cache), `new_cache(batch, max_len)` and `positions` [B, L]."""
+  bs = self.block_size
+  if bs <= 0 or lay.gen_len % bs:
+    raise ValueError(f"KV-cached decoding needs the generation length ({lay.gen_len}) to be a multiple of"
+                     f" block_size ({bs})")
+  B, L = tokens.shape
+  gs, n_blocks, steps_cap = lay.gen_start, lay.gen_len // bs, self._steps_cap(lay)
+  max_it = n_blocks * steps_cap
+  positions = model.positions
+  cache = model.new_cache(B, gs + lay.gen_len)
+  _, cache = model.cached(tokens[:, :gs], positions[:, :gs], cache, True, valid[:, :gs])
+  drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
+  drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
+
+  def cond(s):
+    return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
+
+  def body(s):
+    key, k_prop = jax.random.split(s["key"])
+    lo = gs + s["block"] * bs
+    blk = jax.lax.dynamic_slice_in_dim(s["tokens"], lo, bs, axis=1)
+    pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
+    logits, _ = model.cached(blk, pos, s["cache"], False, None)
+    x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature, lo + jnp.arange(bs))
+    candidates = (blk == lay.mask_id) & ~s["done"][:, None]
+    commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
+    blk = jnp.where(commit, x0, blk)
+    finished = ~jnp.any((blk == lay.mask_id) & ~s["done"][:, None]) | (s["step"] + 1 >= steps_cap)
+    # A finished block is encoded once, clean, into the cache.
+    cache = jax.lax.cond(finished, lambda: model.cached(blk, pos, s["cache"], True, None)[1], lambda: s["cache"])
+    tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], blk, lo, axis=1)
+    done = s["done"] | (finished & jnp.any(blk == lay.eos_id, axis=-1))
+    drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
+    return {"tokens": tokens, "cache": cache, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
+            "block": s["block"] + finished.astype(jnp.int32), "step": jnp.where(finished, 0, s["step"] + 1),
+            "it": s["it"] + 1, "nfe": s["nfe"] + 1 + finished.astype(jnp.int32)}
+
+  init = {"tokens": tokens, "cache": cache, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
+          "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
+          "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.ones((), jnp.int32)}
+  out = jax.lax.while_loop(cond, body, init)
+  return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
+          "num_drafts": out["n_drafts"]}
+
+
+_ConfidenceBase._run_cached = _run_cached
+
+
+def block_causal_mask(valid, lay: Layout, block_size: int):
+  """[B, 1, L, L]: column c is visible from row r iff block(c) <= block(r),
+  the prompt being block -1 and columns after the generation region unseen."""
+  L = valid.shape[1]
+  cols = jnp.arange(L)
+  blk = jnp.where(cols < lay.gen_start, -1, (cols - lay.gen_start) // max(block_size, 1))
+  blk = jnp.where(cols >= lay.gen_start + lay.gen_len, jnp.iinfo(jnp.int32).max, blk)
+  allowed = blk[None, :] <= blk[:, None]
+  return (allowed[None] & valid[:, None, :])[:, None]
 
 
 @dataclasses.dataclass(frozen=True)
