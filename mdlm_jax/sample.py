@@ -9,6 +9,7 @@ after every refinement step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +32,9 @@ def parse(argv):
   p.add_argument("--steps", type=int, default=None, help="refinement steps (per block)")
   p.add_argument("--block-size", type=int, default=None, help="semi-autoregressive block size (0: one block)")
   p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
+  p.add_argument("--kv-cache", action="store_true",
+                 help="block-causal decoding with a KV cache (automatic for block-diffusion models; an"
+                      " approximation for models trained on whole sequences)")
   p.add_argument("--temperature", type=float, default=None)
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (AR checkpoints)")
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -90,7 +94,7 @@ def main(argv=None):
     from mdlm_jax import builder
     from mdlm_jax.sampling.ar import ARSampler
     from mdlm_jax.sampling.generate import generator_for
-    from mdlm_jax.sampling.presets import sampler_for
+    from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
     loaded = builder.load(a.checkpoint or packaged_checkpoint())
     gen = generator_for(loaded)
     if loaded.spec.cfg.causal:
@@ -101,6 +105,12 @@ def main(argv=None):
     else:
       sampler = sampler_for(a.effort, sampler=a.sampler, steps=a.steps, block_size=a.block_size,
                             threshold=a.threshold, temperature=a.temperature)
+      if a.block_size is None:
+        sampler = adapt_to_model(sampler, loaded.config.diffusion.get("block_size", 0))
+      if a.kv_cache:
+        if not hasattr(sampler, "kv_cache"):
+          raise ValueError("--kv-cache applies to the low_confidence and threshold samplers")
+        sampler = dataclasses.replace(sampler, kv_cache=True)
     prompts = [a.prompt] * a.num_samples
     suffixes = [a.suffix] * a.num_samples if a.suffix is not None else None
     view = DraftView(a.prompt) if a.show_steps else None

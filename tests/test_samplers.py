@@ -195,3 +195,16 @@ def test_kv_cached_blocks_equal_uncached_block_causal(generator, sampler):
   with pytest.raises(ValueError, match="cannot see a suffix"):
     generator.generate(prompts, max_new_tokens=8, sampler=dataclasses.replace(sampler, kv_cache=True),
                        suffixes=["x", "y"])
+
+
+def test_presets_adapt_to_block_diffusion_models():
+  from mdlm_jax.sampling.presets import PRESETS, adapt_to_model, sampler_for
+  medium = sampler_for("medium")
+  assert medium == PRESETS["medium"] and not medium.kv_cache
+  bd3 = adapt_to_model(medium, 16)
+  assert bd3.block_size == 16 and bd3.kv_cache and bd3.threshold == medium.threshold
+  assert adapt_to_model(medium, 0) == medium
+  assert adapt_to_model(AncestralSampler(), 16) == AncestralSampler()
+  assert sampler_for("high", steps=8).steps == 8
+  with pytest.raises(ValueError, match="unknown effort"):
+    sampler_for("max")

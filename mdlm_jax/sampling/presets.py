@@ -54,3 +54,12 @@ def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, ste
   if changes.get("temperature", 0) < 0:
     raise ValueError(f"--temperature must be >= 0, got {changes['temperature']}")
   return dataclasses.replace(base, **changes)
+
+
+def adapt_to_model(sampler, model_block_size: int):
+  """Block-diffusion (BD3-LM) models decode exactly with a KV cache in blocks
+  of the size they were trained on: confidence samplers switch to that."""
+  import dataclasses
+  if model_block_size > 0 and hasattr(sampler, "kv_cache"):
+    return dataclasses.replace(sampler, block_size=model_block_size, kv_cache=True)
+  return sampler
