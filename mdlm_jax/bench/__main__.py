@@ -1,8 +1,8 @@
-"""python -m mdlm_jax.bench {train} [--json] [options]"""
+"""python -m mdlm_jax.bench {train,sample} [--json] [options]"""
 
 import sys
 
-COMMANDS = {"train": "mdlm_jax.bench.train"}
+COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample"}
 
 
 def main(argv=None):

@@ -1,0 +1,264 @@
+"""Sampling speed and quality: every effort preset of a diffusion checkpoint
+against its AR twin, on held-out validation code; a ~100M-parameter
+memory-bound shape; and transformers' AR generate() when it is installed.
+
+  python -m mdlm_jax.bench sample --mdlm=DIR --ar=DIR [--json] [--out=F.json] [--png=F.png]
+
+Speeds are measured after a compile run of the same shapes. Quality: the AR
+twin's per-token NLL of the generated text given the prompt (gen-PPL), and
+the fraction of prompt+completion texts that parse after truncation at the
+last complete line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench sample")
+  p.add_argument("--mdlm", default=None, help="diffusion checkpoint (default: the packaged model)")
+  p.add_argument("--ar", default=None, help="AR twin checkpoint (default: the packaged AR twin)")
+  p.add_argument("--prompt-tokens", type=int, default=64)
+  p.add_argument("--new-tokens", type=int, default=256)
+  p.add_argument("--batch-sizes", default="1,8")
+  p.add_argument("--num-prompts", type=int, default=8, help="validation prompts (batch 1 runs use each)")
+  p.add_argument("--efforts", default="instant,low,medium,high")
+  p.add_argument("--skip-100m", action="store_true", help="skip the 100M-parameter memory-bound shape")
+  p.add_argument("--json", action="store_true")
+  p.add_argument("--out", default=None, help="write the JSON here too")
+  p.add_argument("--png", default="bench_sample.png", help="speed-quality plot ('' to skip)")
+  a = p.parse_args(argv)
+  a.batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
+  a.efforts = a.efforts.split(",")
+  return a
+
+
+def truncate_to_complete_lines(text: str) -> str:
+  return text[:text.rfind("\n") + 1] if "\n" in text else ""
+
+
+def parses(text: str) -> bool:
+  try:
+    ast.parse(truncate_to_complete_lines(text))
+    return True
+  except (SyntaxError, ValueError):
+    return False
+
+
+def validation_prompts(loaded, n: int, prompt_tokens: int) -> list[str]:
+  """The first `prompt_tokens` tokens of the first n validation files that are long enough."""
+  from mdlm_jax import data
+  c = loaded.config
+  docs = data.load_documents(c.data.corpus, "validation", c.data.validation_fraction, c.data.text_field)
+  out = []
+  for d in docs:
+    ids = loaded.tokenizer.encode(d)
+    if len(ids) >= prompt_tokens * 2:
+      out.append(loaded.tokenizer.decode(ids[:prompt_tokens]))
+    if len(out) == n:
+      break
+  if not out:
+    raise ValueError("no validation document is long enough for the prompt")
+  return out
+
+
+class GenPPL:
+  """The AR twin's NLL of completions given their prompts."""
+
+  def __init__(self, ar_loaded):
+    import jax
+    import jax.numpy as jnp
+    from mdlm_jax import diffusion
+    from mdlm_jax.builder import bind
+    self.loaded = ar_loaded
+    spec = ar_loaded.spec
+
+    @jax.jit
+    def nll(params, tokens, weights):
+      logits = bind(spec, params)(tokens)
+      per = diffusion.ar_nll(logits, tokens)
+      return jnp.sum(per * weights[:, 1:], axis=-1)
+
+    self._nll = nll
+
+  def __call__(self, prompt_ids: list[int], completion_ids: list[int]) -> tuple[float, int]:
+    import numpy as np
+    ids = prompt_ids + completion_ids
+    width = -(-len(ids) // 64) * 64
+    tokens = np.full((1, width), self.loaded.tokenizer.pad_id, np.int32)
+    weights = np.zeros((1, width), np.float32)
+    tokens[0, :len(ids)] = ids
+    weights[0, len(prompt_ids):len(ids)] = 1.0
+    return float(self._nll(self.loaded.params, tokens, weights)[0]), len(completion_ids)
+
+
+def run_setting(gen, prompts, batch, new_tokens, sampler, scorer, **kw):
+  """Compiles, then times every batch of prompts; returns speed and quality."""
+  batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+  batches = [b for b in batches if len(b) == batch] or [prompts[:1] * batch]
+  gen.generate(batches[0], max_new_tokens=new_tokens, sampler=sampler, **kw)  # compile
+  tokens = passes = 0
+  seconds, latencies, nll, scored, parsed, n = 0.0, [], 0.0, 0, 0, 0
+  for b in batches:
+    t0 = time.perf_counter()
+    r = gen.generate(b, max_new_tokens=new_tokens, sampler=sampler, **kw)
+    dt = time.perf_counter() - t0
+    seconds += dt
+    latencies.append(dt)
+    passes += r.forward_passes
+    for p, c in zip(b, r.completions):
+      tokens += len(c.tokens)
+      n += 1
+      parsed += parses(p + c.text)
+      if c.tokens:
+        s, k = scorer(gen.encode_prompt(p), c.tokens)
+        nll, scored = nll + s, scored + k
+  return {"tokens_per_s": tokens / seconds, "tokens_per_forward": tokens / max(passes, 1) / batch,
+          "latency_s": sum(latencies) / len(latencies), "new_tokens_mean": tokens / n,
+          "gen_ppl": math.exp(nll / scored) if scored else float("nan"), "parse_rate": parsed / n,
+          "forward_passes_mean": passes / len(batches)}
+
+
+def memory_bound_shape(new_tokens: int, prompt_tokens: int) -> dict:
+  """~100M parameters, random weights, batch 1: diffusion committing exactly
+  4 tokens per pass (KV-cached blocks) against KV-cached AR decoding."""
+  import jax
+  import ml_collections
+  from mdlm_jax import sharding
+  from mdlm_jax.builder import LoadedModel, init_params, model_spec
+  from mdlm_jax.model import ModelConfig
+  from mdlm_jax.sampling.ar import ARSampler
+  from mdlm_jax.sampling.generate import ARGenerator, Generator
+  from mdlm_jax.sampling.samplers import LowConfidenceSampler
+
+  class Tok:  # ids only; no text is decoded for speed runs
+    vocab_size, mask_id, bos_id, eos_id, pad_id = 32000, 4, 1, 2, 3
+
+    def encode(self, text):
+      return [5 + (ord(ch) % 1000) for ch in text]
+
+    def decode(self, ids):
+      return ""
+
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
+  prompt = ["x" * (prompt_tokens - 1)]
+  out = {}
+  for name, causal in (("diffusion", False), ("ar", True)):
+    cfg = ModelConfig(vocab_size=32000, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=2048, causal=causal)
+    spec = model_spec(cfg, mesh)
+    loaded = LoadedModel(spec, init_params(spec, 0), Tok(), ml_collections.ConfigDict(), 0, False)
+    n_params = sum(x.size for x in jax.tree.leaves(loaded.params))
+    if causal:
+      gen, sampler = ARGenerator(loaded), ARSampler(new_tokens, temperature=0.0)
+    else:
+      # eos_id outside the vocabulary's reach is not needed: random logits rarely
+      # pick id 2; count the tokens actually produced.
+      gen, sampler = Generator(loaded), LowConfidenceSampler(steps=8, block_size=32, kv_cache=True)
+    gen.generate(prompt, max_new_tokens=new_tokens, sampler=sampler)
+    t0 = time.perf_counter()
+    r = gen.generate(prompt, max_new_tokens=new_tokens, sampler=sampler)
+    dt = time.perf_counter() - t0
+    produced = len(r.completions[0].tokens) or new_tokens
+    out[name] = {"params": int(n_params), "tokens_per_s": produced / dt, "forward_passes": r.forward_passes,
+                 "tokens": produced, "seconds": dt}
+  out["diffusion_speedup"] = out["diffusion"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
+  return out
+
+
+def transformers_peer(new_tokens: int, prompt_tokens: int) -> dict:
+  """Hugging Face transformers' AR generate() with KV cache, a 20M Llama shape, batch 1."""
+  try:
+    import torch
+    import transformers
+  except ImportError:
+    return {"absent": "torch/transformers are not installed (reference: 75 tok/s measured on this CPU)"}
+  cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                                 num_attention_heads=6, max_position_embeddings=1024)
+  model = transformers.LlamaForCausalLM(cfg).eval()
+  ids = torch.randint(5, 4096, (1, prompt_tokens))
+  kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+  with torch.no_grad():
+    model.generate(ids, **kw)
+    t0 = time.perf_counter()
+    model.generate(ids, **kw)
+    dt = time.perf_counter() - t0
+  return {"tokens_per_s": new_tokens / dt, "params": sum(p.numel() for p in model.parameters()),
+          "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def plot(result: dict, path: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(result["batches"]), figsize=(6 * len(result["batches"]), 4.2), dpi=110,
+                           squeeze=False)
+  for ax, (batch, rows) in zip(axes[0], result["batches"].items()):
+    for name, r in rows.items():
+      marker = "s" if name == "ar" else "o"
+      ax.scatter(r["tokens_per_s"], r["gen_ppl"], marker=marker, s=50)
+      ax.annotate(f"{name} ({r['tokens_per_forward']:.1f} tok/pass)", (r["tokens_per_s"], r["gen_ppl"]),
+                  textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("tokens / s")
+    ax.set_ylabel("gen-PPL under the AR twin (lower is better)")
+    ax.set_title(f"batch {batch}")
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  tmp = path + ".tmp.png"
+  fig.savefig(tmp)
+  plt.close(fig)
+  os.replace(tmp, path)
+
+
+def main(argv):
+  a = parse(argv)
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)
+  from mdlm_jax import builder, cli
+  from mdlm_jax.sample import packaged_checkpoint
+  from mdlm_jax.sampling.generate import ARGenerator, Generator
+  from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
+  try:
+    mdlm = builder.load(a.mdlm or packaged_checkpoint())
+    ar = builder.load(a.ar or os.path.join(os.path.dirname(packaged_checkpoint()), "ar_code_small"))
+    if mdlm.tokenizer.to_bytes() != ar.tokenizer.to_bytes():
+      raise ValueError("the diffusion checkpoint and the AR twin use different tokenizers")
+    prompts = validation_prompts(mdlm, a.num_prompts, a.prompt_tokens)
+  except cli.USER_ERRORS as e:
+    cli.fail("bench sample", e)
+  scorer = GenPPL(ar)
+  dgen, agen = Generator(mdlm), ARGenerator(ar)
+  block = mdlm.config.diffusion.get("block_size", 0)
+  result = {"bench": "sample", "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            "num_prompts": len(prompts), "mdlm_step": mdlm.step, "ar_step": ar.step, "batches": {}}
+  for batch in a.batch_sizes:
+    rows = {}
+    for effort in a.efforts:
+      sampler = adapt_to_model(sampler_for(effort), block)
+      rows[effort] = {"sampler": repr(sampler), **run_setting(dgen, prompts, batch, a.new_tokens, sampler, scorer)}
+      print(f"batch {batch} {effort}: {json.dumps(rows[effort])}", file=sys.stderr, flush=True)
+    rows["ar"] = run_setting(agen, prompts, batch, a.new_tokens, None, scorer)
+    print(f"batch {batch} ar: {json.dumps(rows['ar'])}", file=sys.stderr, flush=True)
+    result["batches"][str(batch)] = rows
+  if not a.skip_100m:
+    result["memory_bound_100m"] = memory_bound_shape(a.new_tokens, a.prompt_tokens)
+  result["transformers_peer"] = transformers_peer(a.new_tokens, a.prompt_tokens)
+  if a.png:
+    plot(result, a.png)
+    result["png"] = a.png
+  text = json.dumps(result, indent=None if a.json else 2)
+  if a.out:
+    with open(a.out, "w") as f:
+      f.write(json.dumps(result, indent=2) + "\n")
+  print(text)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
