@@ -1,0 +1,46 @@
+"""Pieces of the benchmarks that compute numbers: checked against references."""
+
+import jax
+import ml_collections
+import numpy as np
+
+from mdlm_jax import sharding
+from mdlm_jax.bench import sample as bench_sample
+from mdlm_jax.bench import train as bench_train
+from mdlm_jax.builder import LoadedModel, bind, init_params, model_spec
+from mdlm_jax.model import ModelConfig
+
+
+def test_parse_rate_truncates_at_the_last_complete_line():
+  assert bench_sample.truncate_to_complete_lines("a = 1\nb = (") == "a = 1\n"
+  assert bench_sample.parses("import os\nx = [1,")  # the unfinished last line is cut away
+  assert not bench_sample.parses("import os\nx = [1,\n")  # a complete line that does not parse
+  assert not bench_sample.parses("def f(:\n    pass\n")
+  assert bench_sample.parses("no newline at all (")  # nothing complete: the empty module
+
+
+def test_gen_ppl_is_the_ar_nll_of_the_completion_only():
+  cfg = ModelConfig(vocab_size=29, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32, causal=True)
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
+  spec = model_spec(cfg, mesh)
+  params = init_params(spec, 1)
+
+  class Tok:
+    pad_id = 0
+
+  scorer = bench_sample.GenPPL(LoadedModel(spec, params, Tok(), None, 0, False))
+  rng = np.random.default_rng(0)
+  prompt, completion = rng.integers(1, 29, 7).tolist(), rng.integers(1, 29, 5).tolist()
+  total, n = scorer(prompt, completion)
+  ids = np.asarray([prompt + completion], np.int32)
+  logits = np.asarray(bind(spec, params)(ids), np.float64)[0]
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+      -1, keepdims=True)
+  want = -sum(logp[i - 1, ids[0, i]] for i in range(len(prompt), ids.shape[1]))
+  assert n == 5
+  np.testing.assert_allclose(total, want, rtol=1e-5)
+
+
+def test_bench_train_finds_the_default_config():
+  c = bench_train.load_config(bench_train.default_config_path())
+  assert c.data.seq_len == 256
