@@ -94,6 +94,18 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file, e.g. to build one config on another."""
+  import importlib.util
+  import os
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"config file not found: {path}")
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 class ConfigError(ValueError):
   """A config value that cannot work; the message names the field."""
 

@@ -7,18 +7,14 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=4").strip()
 
-import importlib.util  # noqa: E402
-
 import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name: str):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  from mdlm_jax.config import load_config_file
+  return load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
 
 
 @pytest.fixture(scope="session")

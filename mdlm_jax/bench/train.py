@@ -36,13 +36,8 @@ def default_config_path() -> str:
 
 
 def load_config(path: str):
-  import importlib.util
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"config file not found: {path}")
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  from mdlm_jax.config import load_config_file
+  return load_config_file(path)
 
 
 def main(argv):
