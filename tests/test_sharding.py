@@ -49,7 +49,7 @@ def single_device_reference(tokens):
   return _REF["ref"]
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 2), (1, 2, 2)])
+@pytest.mark.parametrize("layout", [(2, 1, 2), pytest.param((1, 2, 2), marks=pytest.mark.slow)])
 def test_sharded_step_matches_single_device(layout):
   if len(jax.devices()) < 4:
     pytest.skip("needs 4 host devices (tests/conftest.py sets XLA_FLAGS)")
