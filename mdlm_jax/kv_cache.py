@@ -52,13 +52,14 @@ class KVCache:
   def max_len(self) -> int:
     return self.k.shape[2]
 
-  def attention_mask(self, valid_new: Bool[Array, "b t"], *, causal: bool
+  def attention_mask(self, valid_new: Bool[Array, "b t"], *, causal: bool, new_block: int = 0
                      ) -> tuple[Bool[Array, "b s"], Bool[Array, "b 1 t s"]]:
     """Which slots the t new tokens (to be written at [length, length + t)) may read.
 
     Returns the slot validity with the new tokens' entries written in, and the mask:
     valid filled slots, plus the new tokens themselves (all of them, or those
-    up to the query when causal). Slots past length + t are never visible, so
+    up to the query when causal, or those in the query's block of `new_block`
+    tokens and the blocks before it). Slots past length + t are never visible, so
     stale entries beyond the fill point (e.g. an uncommitted block) are ignored.
     """
     t = valid_new.shape[1]
@@ -69,6 +70,9 @@ class KVCache:
     query_slot = self.length + jnp.arange(t, dtype=jnp.int32)
     if causal:
       visible = slot[None, :] <= query_slot[:, None]  # [t, s]
+    elif new_block > 0:
+      own = (slot[None, :] - self.length) // new_block <= (query_slot[:, None] - self.length) // new_block
+      visible = (slot[None, :] < self.length) | ((slot[None, :] < self.length + t) & own)
     else:
       visible = jnp.broadcast_to(slot[None, :] < self.length + t, (t, self.max_len))
     mask = jnp.logical_and(valid[:, None, None, :], visible[None, None])

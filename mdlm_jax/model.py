@@ -136,7 +136,8 @@ class Transformer(nnx.Module):
 
   def forward_cached(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: KVCache, *,
                      commit: bool, valid_new: Bool[Array, "b t"] | None = None,
-                     t: Float[Array, "b"] | None = None) -> tuple[Float[Array, "b t v"], KVCache]:
+                     t: Float[Array, "b"] | None = None, commit_len: int | None = None,
+                     new_block: int = 0) -> tuple[Float[Array, "b t v"], KVCache]:
     """Logits of t new tokens that read the cache's valid filled slots and each other.
 
     The new tokens see one another causally when cfg.causal, else all of them
@@ -146,14 +147,21 @@ class Transformer(nnx.Module):
     kept at slots [length, length + t) and length advances by t; with
     commit=False the input cache is returned, so a block can be re-denoised
     against the same prefix. The cache needs room: length + t <= max_len.
+    `commit_len` (static) keeps only the first new tokens; `new_block` > 0
+    makes the new tokens block-causal among themselves, so one pass can
+    encode a finished clean block (to keep) and denoise the next one.
     """
     b, n = tokens.shape
     if valid_new is None:
       valid_new = jnp.ones((b, n), jnp.bool_)
-    valid, mask = cache.attention_mask(valid_new, causal=self.cfg.causal)
+    valid, mask = cache.attention_mask(valid_new, causal=self.cfg.causal, new_block=new_block)
     # The cache layout is not "queries are the last keys": causality lives in the mask.
     x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
-    return self.logits(x), (written.commit(valid, n) if commit else cache)
+    if not commit:
+      return self.logits(x), cache
+    keep = n if commit_len is None else commit_len
+    valid = valid & (jnp.arange(cache.max_len) < cache.length + keep)[None, :]
+    return self.logits(x), written.commit(valid, keep)
 
   def output_embedding(self) -> Float[Array, "d v"]:
     return self.embedding[...].T if self.head is None else self.head[...]
