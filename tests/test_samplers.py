@@ -209,3 +209,17 @@ def test_presets_adapt_to_block_diffusion_models():
   assert sampler_for("high", steps=8).steps == 8
   with pytest.raises(ValueError, match="unknown effort"):
     sampler_for("max")
+
+
+def test_streaming_drafts_compile_once(generator):
+  """Each call's draft handler is reached through one compiled callback."""
+  sampler = ThresholdSampler(threshold=0.3, block_size=8)
+  seen, sizes = [], []
+  for i in range(3):
+    generator.generate(["y = "], max_new_tokens=8, sampler=sampler, seed=i,
+                       on_draft=lambda step, drafts, i=i: seen.append((i, step, drafts[0])))
+    sizes.append(generator._run._cache_size())
+  assert sizes[0] == sizes[1] == sizes[2]  # no recompilation for a new handler
+  for i in range(3):
+    drafts = [d for j, _, d in seen if j == i]
+    assert drafts[0] == "\u2591" * 8 and "\u2591" not in drafts[-1]

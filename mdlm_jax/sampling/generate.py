@@ -53,9 +53,17 @@ class Generator:
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
     if loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
-    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "emit"))
+    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "stream"))
+    self._on_step = None  # the current call's draft handler (see `stream`)
 
-  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, emit=None):
+  def _emit(self, step, tokens):
+    """The one host callback compiled into streaming programs; it forwards to
+    the current call's handler, so streaming calls reuse one compilation."""
+    if self._on_step is not None:
+      self._on_step(step, tokens)
+
+  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, stream=False):
+    emit = self._emit if stream else None
     model = bind(self.loaded.spec, params)
     B, L = tokens.shape
     if getattr(sampler, "is_block_causal", False):
@@ -103,11 +111,11 @@ class Generator:
       gen_len = -(-max_new_tokens // sampler.block_size) * sampler.block_size  # whole blocks; cut below
     canvas = make_canvas(ids, gen_len, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
     layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id)
-    emit = None
     if on_draft is not None:
-      def emit(step, tokens):
+      def on_step(step, tokens):
         tokens = np.asarray(tokens)
         on_draft(int(step), [self.draft_text(self.region(canvas, tokens, r)) for r in range(len(prompts))])
+      self._on_step = on_step
     arrays = [jnp.asarray(x) for x in (canvas.tokens, canvas.valid, canvas.positions)]
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -117,9 +125,12 @@ class Generator:
         if len(prompts) % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]):
           raise ValueError(f"{len(prompts)} rows do not divide over the mesh's data x fsdp axes")
         arrays = [jax.device_put(x, rows) for x in arrays]
-      out = self._run(self.loaded.params, *arrays, jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
-                      record=record_drafts, emit=emit)
-      out = jax.device_get(out)
+      try:
+        out = self._run(self.loaded.params, *arrays, jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
+                        record=record_drafts, stream=on_draft is not None)
+        out = jax.device_get(out)
+      finally:
+        self._on_step = None
     seconds = time.perf_counter() - t0
     completions = [self._finish(canvas, out, i, ids[i], stop, record_drafts, max_new_tokens)
                    for i in range(len(prompts))]
