@@ -158,68 +158,66 @@ class _ConfidenceBase:
     return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
             "num_drafts": out["n_drafts"]}
 
+  def _run_cached(self, model, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
+    """Block-by-block decoding against a KV cache of the prompt and finished
+    blocks. `model` provides `cached(tokens, positions, cache, commit, valid_new,
+    commit_len, new_block)` -> (logits, cache), `new_cache(batch, max_len)` and
+    `positions` [B, L]. The first step of a block also encodes the finished
+    block before it (block-causally, in the same pass) into the cache, so a
+    block costs exactly `steps` passes."""
+    bs = self.block_size
+    if bs <= 0 or lay.gen_len % bs:
+      raise ValueError(f"KV-cached decoding needs the generation length ({lay.gen_len}) to be a multiple of"
+                       f" block_size ({bs})")
+    B, L = tokens.shape
+    gs, n_blocks, steps_cap = lay.gen_start, lay.gen_len // bs, self._steps_cap(lay)
+    max_it = n_blocks * steps_cap
+    positions = model.positions
+    cache = model.new_cache(B, gs + lay.gen_len)
+    _, cache = model.cached(tokens[:, :gs], positions[:, :gs], cache, True, valid[:, :gs], None, 0)
+    drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
+    drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
 
-def _run_cached(self, model, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
-  """Block-by-block decoding against a KV cache of the prompt and finished
-  blocks. `model` provides `cached(tokens, positions, cache, commit, valid_new,
-  commit_len, new_block)` -> (logits, cache), `new_cache(batch, max_len)` and
-  `positions` [B, L]. The first step of a block also encodes the finished
-  block before it (block-causally, in the same pass) into the cache, so a
-  block costs exactly `steps` passes."""
-  bs = self.block_size
-  if bs <= 0 or lay.gen_len % bs:
-    raise ValueError(f"KV-cached decoding needs the generation length ({lay.gen_len}) to be a multiple of"
-                     f" block_size ({bs})")
-  B, L = tokens.shape
-  gs, n_blocks, steps_cap = lay.gen_start, lay.gen_len // bs, self._steps_cap(lay)
-  max_it = n_blocks * steps_cap
-  positions = model.positions
-  cache = model.new_cache(B, gs + lay.gen_len)
-  _, cache = model.cached(tokens[:, :gs], positions[:, :gs], cache, True, valid[:, :gs], None, 0)
-  drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
-  drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
+    def cond(s):
+      return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
 
-  def cond(s):
-    return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
+    def body(s):
+      key, k_prop = jax.random.split(s["key"])
+      lo = gs + s["block"] * bs
+      blk = jax.lax.dynamic_slice_in_dim(s["tokens"], lo, bs, axis=1)
+      pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
 
-  def body(s):
-    key, k_prop = jax.random.split(s["key"])
-    lo = gs + s["block"] * bs
-    blk = jax.lax.dynamic_slice_in_dim(s["tokens"], lo, bs, axis=1)
-    pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
+      def refine():
+        return model.cached(blk, pos, s["cache"], False, None, None, 0)
 
-    def refine():
-      return model.cached(blk, pos, s["cache"], False, None, None, 0)
+      def encode_previous_and_refine():
+        prev = jax.lax.dynamic_slice_in_dim(s["tokens"], lo - bs, bs, axis=1)
+        prev_pos = jax.lax.dynamic_slice_in_dim(positions, lo - bs, bs, axis=1)
+        logits, cache = model.cached(jnp.concatenate([prev, blk], 1), jnp.concatenate([prev_pos, pos], 1),
+                                     s["cache"], True, None, bs, bs)
+        return logits[:, bs:], cache
 
-    def encode_previous_and_refine():
-      prev = jax.lax.dynamic_slice_in_dim(s["tokens"], lo - bs, bs, axis=1)
-      prev_pos = jax.lax.dynamic_slice_in_dim(positions, lo - bs, bs, axis=1)
-      logits, cache = model.cached(jnp.concatenate([prev, blk], 1), jnp.concatenate([prev_pos, pos], 1),
-                                   s["cache"], True, None, bs, bs)
-      return logits[:, bs:], cache
+      logits, cache = jax.lax.cond((s["step"] == 0) & (s["block"] > 0), encode_previous_and_refine, refine)
+      x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature, lo + jnp.arange(bs))
+      candidates = (blk == lay.mask_id) & ~s["done"][:, None]
+      commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
+      blk = jnp.where(commit, x0, blk)
+      finished = ~jnp.any((blk == lay.mask_id) & ~s["done"][:, None]) | (s["step"] + 1 >= steps_cap)
+      tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], blk, lo, axis=1)
+      done = s["done"] | (finished & jnp.any(blk == lay.eos_id, axis=-1))
+      drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
+      return {"tokens": tokens, "cache": cache, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
+              "block": s["block"] + finished.astype(jnp.int32), "step": jnp.where(finished, 0, s["step"] + 1),
+              "it": s["it"] + 1, "nfe": s["nfe"] + 1}
 
-    logits, cache = jax.lax.cond((s["step"] == 0) & (s["block"] > 0), encode_previous_and_refine, refine)
-    x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature, lo + jnp.arange(bs))
-    candidates = (blk == lay.mask_id) & ~s["done"][:, None]
-    commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
-    blk = jnp.where(commit, x0, blk)
-    finished = ~jnp.any((blk == lay.mask_id) & ~s["done"][:, None]) | (s["step"] + 1 >= steps_cap)
-    tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], blk, lo, axis=1)
-    done = s["done"] | (finished & jnp.any(blk == lay.eos_id, axis=-1))
-    drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
-    return {"tokens": tokens, "cache": cache, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
-            "block": s["block"] + finished.astype(jnp.int32), "step": jnp.where(finished, 0, s["step"] + 1),
-            "it": s["it"] + 1, "nfe": s["nfe"] + 1}
-
-  init = {"tokens": tokens, "cache": cache, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
-          "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
-          "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.ones((), jnp.int32)}
-  out = jax.lax.while_loop(cond, body, init)
-  return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
-          "num_drafts": out["n_drafts"]}
+    init = {"tokens": tokens, "cache": cache, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
+            "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
+            "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.ones((), jnp.int32)}
+    out = jax.lax.while_loop(cond, body, init)
+    return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
+            "num_drafts": out["n_drafts"]}
 
 
-_ConfidenceBase._run_cached = _run_cached
 
 
 def block_causal_mask(valid, lay: Layout, block_size: int):
