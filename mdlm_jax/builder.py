@@ -14,7 +14,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from mdlm_jax import checkpoint, sharding
+from mdlm_jax import checkpoint, params_only, sharding
 from mdlm_jax.model import ModelConfig, Transformer
 from mdlm_jax.tokenizer import Tokenizer
 
@@ -64,12 +64,15 @@ class LoadedModel:
 
 
 def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
-  """Loads a training checkpoint (EMA weights when present) for inference.
+  """Loads a training checkpoint (EMA weights when present) or a params-only
+  folder (`params_only`) for inference.
 
   The checkpoint may come from any mesh; it is resharded onto `mesh` (by
   default one device)."""
   if mesh is None:
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  if params_only.is_params_dir(path):
+    return _load_params_only(path, mesh)
   meta, root, step = checkpoint.read_meta(path)
   config = checkpoint.meta_config(meta)
   tokenizer = Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(meta))
@@ -81,3 +84,14 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   state = checkpoint.restore_weights(root, step, target)
   params = state["ema"] if want_ema else state["params"]
   return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)))
+
+
+def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
+  meta, tok_bytes, named = params_only.read(path)
+  config = ml_collections.ConfigDict(meta["config"])
+  tokenizer = Tokenizer.from_bytes(tok_bytes)
+  cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
+  spec = model_spec(cfg, mesh)
+  host = params_only.unflatten_like(spec.abstract, named, path)
+  params = jax.tree.map(lambda a, s: jax.device_put(a, s), host, spec.shardings)
+  return LoadedModel(spec, params, tokenizer, config, int(meta.get("step", 0)), False)

@@ -33,3 +33,19 @@ def tiny_config(tiny_tokenizer_path):
   c = load_config("tiny")
   c.data.tokenizer = tiny_tokenizer_path
   return c
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tiny_tokenizer_path):
+  """Two-step tiny training runs, {"mdlm": workdir, "ar": workdir}, for the
+  tests that only need some trained checkpoint to read."""
+  from mdlm_jax import trainer
+  out = {}
+  for objective in ("mdlm", "ar"):
+    c = load_config("tiny")
+    c.data.tokenizer = tiny_tokenizer_path
+    c.objective, c.model.causal = objective, objective == "ar"
+    c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
+    out[objective] = str(tmp_path_factory.mktemp(objective))
+    trainer.train(c, out[objective])
+  return out

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_config
-from mdlm_jax import trainer
+from conftest import REPO
 
 
 def run(*args, timeout=240):
@@ -18,16 +17,8 @@ def run(*args, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tiny_tokenizer_path):
-  out = {}
-  for objective in ("mdlm", "ar"):
-    c = load_config("tiny")
-    c.data.tokenizer = tiny_tokenizer_path
-    c.objective, c.model.causal = objective, objective == "ar"
-    c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
-    out[objective] = str(tmp_path_factory.mktemp(objective))
-    trainer.train(c, out[objective])
-  return out
+def checkpoints(tiny_checkpoints):
+  return tiny_checkpoints
 
 
 def test_diffusion_cli_json(checkpoints):
@@ -62,7 +53,8 @@ def test_ar_checkpoint(checkpoints):
     (["--max-new-tokens=0"], "--max-new-tokens must be >= 1"),
     (["--effort=extreme"], "invalid choice: 'extreme'"),
     (["--threshold=1.5"], "--threshold must be in [0, 1]"),
-    (["--effort=high", "--threshold=0.5"], "--threshold does not apply to the LowConfidenceSampler"),
+    (["--effort=high", "--steps=4"], "--steps does not apply to the ThresholdSampler"),
+    (["--min-tokens=0"], "--min-tokens must be >= 1"),
     (["--infill-lengths=4,8"], "--infill-lengths needs --suffix"),
     (["--suffix=x", "--infill-lengths=a,b"], "comma-separated integers"),
 ])
