@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words
 
 if TYPE_CHECKING:
   from mdlm_jax.builder import ModelSpec
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 def sample_token(logits: Float[Array, "b v"], key: PRNGKeyArray, *, temperature: float,
                  top_p: float) -> Int[Array, "b"]:
   """Argmax when temperature == 0; else Gumbel-max over the top-p nucleus of
-  softmax(logits / temperature), all in float32. The nucleus always keeps the
-  most likely token, so a tiny top_p is greedy."""
+  softmax(logits / temperature), the noise in float64 on CPU (see `gumbel`).
+  The nucleus always keeps the most likely token, so a tiny top_p is greedy."""
   logits = logits.astype(jnp.float32)
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -38,8 +39,7 @@ def sample_token(logits: Float[Array, "b v"], key: PRNGKeyArray, *, temperature:
     inside = (jnp.cumsum(probs, axis=-1) - probs) < top_p
     cutoff = jnp.min(jnp.where(inside, desc, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-  gumbel = jax.random.gumbel(key, logits.shape, jnp.float32)
-  return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+  return gumbel_argmax(logits, random_words(key, logits.shape))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,57 @@
+"""Gumbel-max sampling: the right distribution, and float64 noise on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words
+
+
+def _reference_argmax(logits, words, temperature):
+  """The same draw in float64 numpy, straight from the formula."""
+  hi, lo = (np.asarray(w, np.uint64) for w in words)
+  u = (((hi >> 6) << 26) + (lo >> 6)).astype(np.float64) * 2.0**-52 + 2.0**-53
+  return np.argmax(np.asarray(logits, np.float64) / temperature - np.log(-np.log(u)), axis=-1)
+
+
+def test_float64_reaches_the_tail_float32_cannot():
+  """All-ones bits put u within 2^-53 of 1: a Gumbel of 36.7 in float64, but
+  float32's u stops at 1 - 2^-24 (Gumbel 16.6), so a logit gap of 20 flips."""
+  logits = jnp.array([[0.0, 20.0]])
+  words = jnp.array([[[0xFFFFFFFF, 1 << 31]], [[0xFFFFFFFF, 0]]], jnp.uint32)  # u ~ [1 - 2^-53, 0.5]
+  assert int(gumbel_argmax(logits, words, float64=True)[0]) == 0
+  assert int(gumbel_argmax(logits, words, float64=False)[0]) == 1
+  assert _reference_argmax(logits, words, 1.0)[0] == 0
+  assert -np.log(-np.log1p(-2.0**-53)) == pytest.approx(36.74, abs=0.01)
+
+
+def test_float64_matches_numpy_reference():
+  rng = np.random.default_rng()
+  logits = jnp.asarray(rng.normal(size=(64, 300)) * 2, jnp.float32)
+  words = random_words(jax.random.key(int(rng.integers(1 << 30))), logits.shape)
+  for temperature in (1.0, 0.7):
+    got = np.asarray(gumbel_argmax(logits, words, temperature, float64=True))
+    np.testing.assert_array_equal(got, _reference_argmax(logits, words, temperature))
+
+
+@pytest.mark.parametrize("float64", [True, False])
+def test_frequencies_follow_softmax(float64):
+  rng = np.random.default_rng()
+  p = rng.dirichlet(np.ones(6))
+  temperature = 0.8
+  n = 40_000
+  logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, 6))
+  words = random_words(jax.random.key(int(rng.integers(1 << 30))), logits.shape)
+  draws = np.asarray(gumbel_argmax(logits, words, temperature, float64=float64))
+  q = p ** (1 / temperature) / np.sum(p ** (1 / temperature))
+  freq = np.bincount(draws, minlength=6) / n
+  np.testing.assert_array_less(np.abs(freq - q), 5 * np.sqrt(q * (1 - q) / n) + 1e-9)
+
+
+def test_cpu_default_runs_in_float64_inside_jit():
+  logits = jnp.zeros((2, 8))
+  words = random_words(jax.random.key(0), logits.shape)
+  hlo = jax.jit(lambda l, w: gumbel_argmax(l, w, 1.0)).lower(logits, words).as_text()
+  assert "f64" in hlo
+  assert jax.jit(lambda l, w: gumbel_argmax(l, w, 1.0)).lower(logits, words).out_info.dtype == jnp.int32
