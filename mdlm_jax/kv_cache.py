@@ -57,9 +57,11 @@ class KVCache:
     """Which slots the t new tokens (to be written at [length, length + t)) may read.
 
     Returns the slot validity with the new tokens' entries written in, and the mask:
-    valid filled slots, plus the new tokens themselves (all of them, or those
-    up to the query when causal, or those in the query's block of `new_block`
-    tokens and the blocks before it). Slots past length + t are never visible, so
+    valid filled slots, plus the new tokens themselves: all of them; or those
+    up to the query when causal; or, with `new_block` > 0, the new tokens split
+    into a head (all but the last `new_block`, e.g. a finished block or the
+    prompt, to be committed) that reads only itself, and a tail block that
+    reads everything. Slots past length + t are never visible, so
     stale entries beyond the fill point (e.g. an uncommitted block) are ignored.
     """
     t = valid_new.shape[1]
@@ -71,7 +73,10 @@ class KVCache:
     if causal:
       visible = slot[None, :] <= query_slot[:, None]  # [t, s]
     elif new_block > 0:
-      own = (slot[None, :] - self.length) // new_block <= (query_slot[:, None] - self.length) // new_block
+      if new_block > t:
+        raise ValueError(f"new_block ({new_block}) is longer than the {t} new tokens")
+      head_end = self.length + t - new_block
+      own = (slot[None, :] < head_end) | (query_slot[:, None] >= head_end)
       visible = (slot[None, :] < self.length) | ((slot[None, :] < self.length + t) & own)
     else:
       visible = jnp.broadcast_to(slot[None, :] < self.length + t, (t, self.max_len))

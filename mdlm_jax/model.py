@@ -148,8 +148,9 @@ class Transformer(nnx.Module):
     commit=False the input cache is returned, so a block can be re-denoised
     against the same prefix. The cache needs room: length + t <= max_len.
     `commit_len` (static) keeps only the first new tokens; `new_block` > 0
-    makes the new tokens block-causal among themselves, so one pass can
-    encode a finished clean block (to keep) and denoise the next one.
+    splits the new tokens into a head that does not see the last `new_block`
+    and that tail block, which sees all: one pass encodes a finished clean
+    block or the prompt (to keep) and denoises the next block.
     """
     b, n = tokens.shape
     if valid_new is None:

@@ -32,6 +32,8 @@ def parse(argv):
   p.add_argument("--steps", type=int, default=None, help="refinement steps (per block)")
   p.add_argument("--block-size", type=int, default=None, help="semi-autoregressive block size (0: one block)")
   p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
+  p.add_argument("--min-tokens", type=int, default=None,
+                 help="tokens committed per pass at least (threshold sampler)")
   p.add_argument("--kv-cache", action="store_true",
                  help="block-causal decoding with a KV cache (automatic for block-diffusion models; an"
                       " approximation for models trained on whole sequences)")
@@ -62,13 +64,6 @@ def parse(argv):
   return a
 
 
-def packaged_checkpoint() -> str:
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "code_small")
-  if not os.path.isdir(path):
-    raise FileNotFoundError("this installation has no packaged model; pass --checkpoint=DIR")
-  return path
-
-
 class DraftView:
   """Redraws the current draft in place on a terminal, or appends it otherwise."""
 
@@ -91,20 +86,21 @@ def main(argv=None):
   logging.set_verbosity(logging.ERROR)
   cli.drop_closed_loop_noise()
   try:
-    from mdlm_jax import builder
+    from mdlm_jax import builder, packaged
     from mdlm_jax.sampling.ar import ARSampler
     from mdlm_jax.sampling.generate import generator_for
     from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
-    loaded = builder.load(a.checkpoint or packaged_checkpoint())
+    loaded = builder.load(a.checkpoint or packaged.path())
     gen = generator_for(loaded)
     if loaded.spec.cfg.causal:
-      if a.show_steps or a.infill_lengths or a.sampler or a.steps or a.block_size is not None or a.threshold:
+      diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths)
+      if a.show_steps or any(v is not None for v in diffusion_only):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
-                         " --block-size and --threshold apply to diffusion models only")
+                         " --block-size, --threshold and --min-tokens apply to diffusion models only")
       sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0, top_p=a.top_p)
     else:
       sampler = sampler_for(a.effort, sampler=a.sampler, steps=a.steps, block_size=a.block_size,
-                            threshold=a.threshold, temperature=a.temperature)
+                            threshold=a.threshold, temperature=a.temperature, min_tokens=a.min_tokens)
       if a.block_size is None:
         sampler = adapt_to_model(sampler, loaded.config.diffusion.get("block_size", 0))
       if a.kv_cache:

@@ -103,6 +103,25 @@ def test_step_counts(generator):
   assert r.steps == 2  # threshold 0 commits a whole block per step
 
 
+@pytest.mark.parametrize("min_tokens,steps", [(3, 6), (4, 4), (8, 2), (1, 16)])
+def test_threshold_floor_commits_min_tokens_per_pass(min_tokens, steps):
+  """Nothing reaches threshold 1: each pass commits exactly the floor (what
+  is left of the block at its end), the most confident positions first."""
+  vocab, mask_id, eos_id = 12, 4, 2
+  tokens = jnp.full((1, 18), mask_id, jnp.int32).at[0, :2].set(jnp.array([1, 7]))
+  target = jnp.full((1, 18), 9, jnp.int32)
+  lay = Layout(gen_start=2, gen_len=16, mask_id=mask_id, eos_id=eos_id)
+  out = ThresholdSampler(threshold=1.0, min_tokens=min_tokens, block_size=8).run(
+      _fake_denoise(target, vocab), tokens, jnp.ones((1, 18), bool), jax.random.PRNGKey(0), lay, record=True)
+  assert int(out["steps"]) == steps
+  drafts = np.asarray(out["drafts"][:int(out["num_drafts"])])
+  masks = [int((d == mask_id).sum()) for d in drafts]
+  per_pass = [a - b for a, b in zip(masks[:-1], masks[1:])]
+  want = [min(min_tokens, 8 - j * min_tokens) for j in range(-(-8 // min_tokens))] * 2
+  assert per_pass == want
+  assert np.all(drafts[-1][0, 2:] == 9)
+
+
 def _fake_denoise(target, vocab):
   logits = jnp.where(jax.nn.one_hot(target, vocab, dtype=bool), 10.0, 0.0)
   return lambda tokens, t: jnp.broadcast_to(logits, tokens.shape + (vocab,))
@@ -192,7 +211,7 @@ def test_kv_cached_blocks_equal_uncached_block_causal(generator, sampler):
   assert cached.steps == full.steps
   # One prefill and one pass per step: a finished block is encoded into the
   # cache by the first pass of the next block.
-  assert cached.forward_passes == 1 + cached.steps
+  assert cached.forward_passes == cached.steps  # the prompt rides along with the first block
   with pytest.raises(ValueError, match="cannot see a suffix"):
     generator.generate(prompts, max_new_tokens=8, sampler=dataclasses.replace(sampler, kv_cache=True),
                        suffixes=["x", "y"])
@@ -206,7 +225,11 @@ def test_presets_adapt_to_block_diffusion_models():
   assert bd3.block_size == 16 and bd3.kv_cache and bd3.threshold == medium.threshold
   assert adapt_to_model(medium, 0) == medium
   assert adapt_to_model(AncestralSampler(), 16) == AncestralSampler()
-  assert sampler_for("high", steps=8).steps == 8
+  assert sampler_for("high", min_tokens=3).min_tokens == 3
+  with pytest.raises(ValueError, match="--steps does not apply"):
+    sampler_for("high", steps=8)
+  with pytest.raises(ValueError, match="--min-tokens must be >= 1"):
+    sampler_for("medium", min_tokens=0)
   with pytest.raises(ValueError, match="unknown effort"):
     sampler_for("max")
 

@@ -222,12 +222,12 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.ERROR)
   from mdlm_jax import builder, cli
-  from mdlm_jax.sample import packaged_checkpoint
+  from mdlm_jax import packaged
   from mdlm_jax.sampling.generate import ARGenerator, Generator
   from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
   try:
-    mdlm = builder.load(a.mdlm or packaged_checkpoint())
-    ar = builder.load(a.ar or os.path.join(os.path.dirname(packaged_checkpoint()), "ar_code_small"))
+    mdlm = builder.load(a.mdlm or packaged.path(packaged.DIFFUSION))
+    ar = builder.load(a.ar or packaged.path(packaged.AR))
     if mdlm.tokenizer.to_bytes() != ar.tokenizer.to_bytes():
       raise ValueError("the diffusion checkpoint and the AR twin use different tokenizers")
     prompts = validation_prompts(mdlm, a.num_prompts, a.prompt_tokens)

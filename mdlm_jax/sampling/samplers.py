@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdlm_jax.diffusion import NEG_INF, Schedule
+from mdlm_jax.sampling.gumbel import column_words, gumbel_argmax
 
 Denoise = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -35,25 +36,16 @@ def _exclude_mask(logits, mask_id):
   return logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
 
 
-def column_uniform(key, shape, columns):
-  """Uniform noise [B, T, V] whose column t depends only on (key, columns[t]):
-  a block decoded alone draws the same noise as inside the full canvas."""
-  b, _, v = shape
-  tiny = jnp.finfo(jnp.float32).tiny
-  per_col = jax.vmap(lambda c: jax.random.uniform(jax.random.fold_in(key, c), (b, v), jnp.float32, tiny, 1.0))
-  return jnp.swapaxes(per_col(columns), 0, 1)
-
-
 def propose(key, logits, mask_id: int, temperature: float, columns=None):
-  """Per position: a proposal x0 (Gumbel-max at `temperature`, argmax at 0)
-  and its probability under the untempered p(x0). `columns`: the canvas
-  columns of the positions (default 0..T-1), which key the noise."""
+  """Per position: a proposal x0 (Gumbel-max at `temperature`, float64 on CPU;
+  argmax at 0) and its probability under the untempered p(x0). `columns`: the
+  canvas columns of the positions (default 0..T-1), which key the noise."""
   logits = _exclude_mask(logits, mask_id)
   logp = jax.nn.log_softmax(logits, axis=-1)
   if temperature > 0:
-    cols = jnp.arange(logits.shape[1]) if columns is None else columns
-    u = column_uniform(key, logits.shape, cols)
-    x0 = jnp.argmax(logits / temperature - jnp.log(-jnp.log(u)), axis=-1)
+    b, t, v = logits.shape
+    cols = jnp.arange(t) if columns is None else columns
+    x0 = gumbel_argmax(logits, column_words(key, b, v, cols), temperature)
   else:
     x0 = jnp.argmax(logits, axis=-1)
   conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])
@@ -162,9 +154,9 @@ class _ConfidenceBase:
     """Block-by-block decoding against a KV cache of the prompt and finished
     blocks. `model` provides `cached(tokens, positions, cache, commit, valid_new,
     commit_len, new_block)` -> (logits, cache), `new_cache(batch, max_len)` and
-    `positions` [B, L]. The first step of a block also encodes the finished
-    block before it (block-causally, in the same pass) into the cache, so a
-    block costs exactly `steps` passes."""
+    `positions` [B, L]. The first step of a block also encodes what came
+    before it, the finished block or the prompt, into the cache in the same
+    pass, so a block costs exactly its steps and the prompt no pass of its own."""
     bs = self.block_size
     if bs <= 0 or lay.gen_len % bs:
       raise ValueError(f"KV-cached decoding needs the generation length ({lay.gen_len}) to be a multiple of"
@@ -174,7 +166,6 @@ class _ConfidenceBase:
     max_it = n_blocks * steps_cap
     positions = model.positions
     cache = model.new_cache(B, gs + lay.gen_len)
-    _, cache = model.cached(tokens[:, :gs], positions[:, :gs], cache, True, valid[:, :gs], None, 0)
     drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
     drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
 
@@ -197,7 +188,13 @@ class _ConfidenceBase:
                                      s["cache"], True, None, bs, bs)
         return logits[:, bs:], cache
 
-      logits, cache = jax.lax.cond((s["step"] == 0) & (s["block"] > 0), encode_previous_and_refine, refine)
+      def encode_prompt_and_refine():
+        logits, cache = model.cached(jnp.concatenate([s["tokens"][:, :gs], blk], 1), positions[:, :gs + bs],
+                                     s["cache"], True, valid[:, :gs + bs], gs, bs)
+        return logits[:, gs:], cache
+
+      branch = jnp.where(s["step"] > 0, 0, jnp.where(s["block"] > 0, 1, 2))
+      logits, cache = jax.lax.switch(branch, (refine, encode_previous_and_refine, encode_prompt_and_refine))
       x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature, lo + jnp.arange(bs))
       candidates = (blk == lay.mask_id) & ~s["done"][:, None]
       commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
@@ -212,7 +209,7 @@ class _ConfidenceBase:
 
     init = {"tokens": tokens, "cache": cache, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
             "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
-            "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.ones((), jnp.int32)}
+            "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.zeros((), jnp.int32)}
     out = jax.lax.while_loop(cond, body, init)
     return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
             "num_drafts": out["n_drafts"]}
@@ -250,16 +247,23 @@ class LowConfidenceSampler(_ConfidenceBase):
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdSampler(_ConfidenceBase):
-  """Fast-dLLM: commit every proposal with p >= threshold, and the top one."""
+  """Fast-dLLM: commit every proposal with p >= threshold, and always the
+  `min_tokens` most confident ones (Fast-dLLM's rule is min_tokens=1). A
+  floor above 1 bounds the passes per block at ceil(block / min_tokens)."""
   threshold: float = 0.9
+  min_tokens: int = 1
+
+  def __post_init__(self):
+    if self.min_tokens < 1:
+      raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
 
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len
-    return min(size, lay.gen_len)
+    return -(-min(size, lay.gen_len) // max(self.min_tokens, 1))
 
   def _select(self, conf, candidates, block, step):
-    top1 = rank_desc(conf) == 0
-    return candidates & ((conf >= self.threshold) | top1)
+    top = rank_desc(conf) < self.min_tokens
+    return candidates & ((conf >= self.threshold) | top)
 
 
 @dataclasses.dataclass(frozen=True)
