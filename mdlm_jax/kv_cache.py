@@ -29,24 +29,36 @@ LAYER_AXES = ("batch", "length", "act_heads", None)
 class KVCache:
   """Keys/values of every layer for `max_len` slots.
 
-  Slots [0, length) are filled, the same count for every row; `valid` marks
-  which filled slots hold real tokens (a left-padded prompt fills its pad
-  slots too, so that rows stay aligned, but they must never be attended to).
-  Keys are stored after RoPE, so a slot's position is baked in when written.
+  Slots [0, length) are filled; `valid` marks which filled slots hold real
+  tokens (a left-padded prompt fills its pad slots too, so that rows stay
+  aligned, but they must never be attended to). `length` is a scalar (every
+  row filled alike, as in one generate call) or one count per row [b] (a
+  serving engine whose slots hold requests at different points). Keys are
+  stored after RoPE, so a slot's position is baked in when written.
   """
 
   k: Float[Array, "n b s h d"]
   v: Float[Array, "n b s h d"]
   valid: Bool[Array, "b s"]
-  length: Int[Array, ""]
+  length: Int[Array, ""] | Int[Array, "b"]
 
   @classmethod
-  def init(cls, cfg: "ModelConfig", batch: int, max_len: int) -> "KVCache":
+  def init(cls, cfg: "ModelConfig", batch: int, max_len: int, *, per_row: bool = False) -> "KVCache":
     shape = (cfg.num_layers, batch, max_len, cfg.num_heads, cfg.resolved_head_dim)
     dt = compute_dtype(cfg.dtype)
     return cls(k=constrain(jnp.zeros(shape, dt), STACKED_AXES), v=constrain(jnp.zeros(shape, dt), STACKED_AXES),
                valid=constrain(jnp.zeros((batch, max_len), jnp.bool_), ("batch", "length")),
-               length=jnp.zeros((), jnp.int32))
+               length=jnp.zeros((batch,) if per_row else (), jnp.int32))
+
+  @property
+  def per_row(self) -> bool:
+    return self.length.ndim == 1
+
+  def _at_length(self, buf, new, axis: int):
+    """Writes `new` into `buf` at each row's fill point along `axis` (batch is axis 0)."""
+    if not self.per_row:
+      return jax.lax.dynamic_update_slice_in_dim(buf, new, self.length, axis)
+    return jax.vmap(lambda b, n, o: jax.lax.dynamic_update_slice_in_dim(b, n, o, axis - 1))(buf, new, self.length)
 
   @property
   def max_len(self) -> int:
@@ -67,20 +79,21 @@ class KVCache:
     t = valid_new.shape[1]
     if t > self.max_len:
       raise ValueError(f"{t} new tokens do not fit a cache of {self.max_len} slots")
-    valid = jax.lax.dynamic_update_slice(self.valid, valid_new.astype(jnp.bool_), (0, self.length))
-    slot = jnp.arange(self.max_len, dtype=jnp.int32)
-    query_slot = self.length + jnp.arange(t, dtype=jnp.int32)
+    valid = self._at_length(self.valid, valid_new.astype(jnp.bool_), 1)
+    start = jnp.reshape(self.length, (-1, 1, 1))  # [b or 1, 1, 1]
+    slot = jnp.arange(self.max_len, dtype=jnp.int32)[None, None, :]
+    query_slot = start + jnp.arange(t, dtype=jnp.int32)[None, :, None]
     if causal:
-      visible = slot[None, :] <= query_slot[:, None]  # [t, s]
+      visible = slot <= query_slot  # [b or 1, t, s]
     elif new_block > 0:
       if new_block > t:
         raise ValueError(f"new_block ({new_block}) is longer than the {t} new tokens")
-      head_end = self.length + t - new_block
-      own = (slot[None, :] < head_end) | (query_slot[:, None] >= head_end)
-      visible = (slot[None, :] < self.length) | ((slot[None, :] < self.length + t) & own)
+      head_end = start + t - new_block
+      own = (slot < head_end) | (query_slot >= head_end)
+      visible = (slot < start) | ((slot < start + t) & own)
     else:
-      visible = jnp.broadcast_to(slot[None, :] < self.length + t, (t, self.max_len))
-    mask = jnp.logical_and(valid[:, None, None, :], visible[None, None])
+      visible = jnp.broadcast_to(slot < start + t, (start.shape[0], t, self.max_len))
+    mask = jnp.logical_and(valid[:, None, None, :], visible[:, None])
     return valid, mask
 
   def write(self, layer: int, k: Float[Array, "b t h d"], v: Float[Array, "b t h d"]) -> "KVCache":
@@ -88,14 +101,27 @@ class KVCache:
 
     The caller must leave room: `dynamic_update_slice` clamps an offset that
     would run past max_len instead of failing."""
-    start = (layer, 0, self.length, 0, 0)
-    nk = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
-    nv = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+    if not self.per_row:
+      start = (layer, 0, self.length, 0, 0)
+      nk = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
+      nv = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+    else:
+      nk = self.k.at[layer].set(self._at_length(self.k[layer], k.astype(self.k.dtype), 1))
+      nv = self.v.at[layer].set(self._at_length(self.v[layer], v.astype(self.v.dtype), 1))
     return self.replace(k=constrain(nk, STACKED_AXES), v=constrain(nv, STACKED_AXES))
 
   def layer(self, layer: int) -> tuple[Float[Array, "b s h d"], Float[Array, "b s h d"]]:
     return constrain(self.k[layer], LAYER_AXES), constrain(self.v[layer], LAYER_AXES)
 
-  def commit(self, valid: Bool[Array, "b s"], t: int) -> "KVCache":
-    """Marks the t slots written by the last forward as filled."""
-    return self.replace(valid=constrain(valid, ("batch", "length")), length=self.length + jnp.int32(t))
+  def kept_valid(self, valid: Bool[Array, "b s"], keep) -> Bool[Array, "b s"]:
+    """`valid` with every slot past each row's length + keep cleared."""
+    end = jnp.reshape(self.length + jnp.asarray(keep, jnp.int32), (-1, 1))
+    return valid & (jnp.arange(self.max_len, dtype=jnp.int32)[None, :] < end)
+
+  def commit(self, valid: Bool[Array, "b s"], t) -> "KVCache":
+    """Marks the t slots written by the last forward as filled (t: an int, or
+    one count per row [b] for a per-row cache)."""
+    t = jnp.asarray(t, jnp.int32)
+    if t.ndim and not self.per_row:
+      raise ValueError("per-row commit counts need a per-row cache (KVCache.init(..., per_row=True))")
+    return self.replace(valid=constrain(valid, ("batch", "length")), length=self.length + t)

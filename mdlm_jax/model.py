@@ -136,7 +136,7 @@ class Transformer(nnx.Module):
 
   def forward_cached(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: KVCache, *,
                      commit: bool, valid_new: Bool[Array, "b t"] | None = None,
-                     t: Float[Array, "b"] | None = None, commit_len: int | None = None,
+                     t: Float[Array, "b"] | None = None, commit_len: int | Int[Array, "b"] | None = None,
                      new_block: int = 0) -> tuple[Float[Array, "b t v"], KVCache]:
     """Logits of t new tokens that read the cache's valid filled slots and each other.
 
@@ -147,10 +147,12 @@ class Transformer(nnx.Module):
     kept at slots [length, length + t) and length advances by t; with
     commit=False the input cache is returned, so a block can be re-denoised
     against the same prefix. The cache needs room: length + t <= max_len.
-    `commit_len` (static) keeps only the first new tokens; `new_block` > 0
+    `commit_len` keeps only the first new tokens (an int, or one count per
+    row [b] with a per-row cache); `new_block` > 0
     splits the new tokens into a head that does not see the last `new_block`
     and that tail block, which sees all: one pass encodes a finished clean
-    block or the prompt (to keep) and denoises the next block.
+    block or the prompt (to keep) and denoises the next block. Logits are
+    then returned for the tail block only, [b, new_block, v].
     """
     b, n = tokens.shape
     if valid_new is None:
@@ -158,11 +160,12 @@ class Transformer(nnx.Module):
     valid, mask = cache.attention_mask(valid_new, causal=self.cfg.causal, new_block=new_block)
     # The cache layout is not "queries are the last keys": causality lives in the mask.
     x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
+    if new_block > 0:
+      x = x[:, n - new_block:]  # nobody reads the head's logits: skip its vocabulary matmul
     if not commit:
       return self.logits(x), cache
     keep = n if commit_len is None else commit_len
-    valid = valid & (jnp.arange(cache.max_len) < cache.length + keep)[None, :]
-    return self.logits(x), written.commit(valid, keep)
+    return self.logits(x), written.commit(cache.kept_valid(valid, keep), keep)
 
   def output_embedding(self) -> Float[Array, "d v"]:
     return self.embedding[...].T if self.head is None else self.head[...]

@@ -167,6 +167,43 @@ def test_block_diffusion_cache_matches_block_causal_reference():
     assert int(cache.length) == P + lo + blk
 
 
+def test_per_row_cache_matches_block_causal_reference():
+  """A serving-style cache: rows with prompts of different lengths (right-padded, each row
+  committing only its own real tokens, so the rows' fill points differ), then blocks sent as
+  [finished block | next block] chunks with new_block: the head is committed, the tail is
+  denoised, and its logits equal the full forward under the block-causal mask."""
+  spec, params, full, _, _ = setup(DIFFUSION)
+  blk, n_blocks = 3, 3
+  length = P + blk * n_blocks
+  n_real = np.array([P, 2])
+  real = np.asarray(tokens_of(4, (B, length)))
+  t = jnp.asarray([0.4, 0.6], jnp.float32)
+  ref = full(params, jnp.asarray(real), arange_pos(B, 0, length), block_causal_mask(n_real, blk, n_blocks, length), t)
+
+  @functools.partial(jax.jit, static_argnames=("new_block",))
+  def step(params, tokens, positions, cache, valid_new, keep, *, new_block):
+    return bind(spec, params).forward_cached(tokens, positions, cache, commit=True, valid_new=valid_new, t=t,
+                                             commit_len=keep, new_block=new_block)
+
+  cache = KVCache.init(spec.cfg, B, P + 2 * blk * n_blocks, per_row=True)
+  valid = jnp.asarray(np.arange(P)[None, :] < n_real[:, None])
+  _, cache = step(params, jnp.asarray(real[:, :P]), arange_pos(B, 0, P), cache, valid, jnp.asarray(n_real), new_block=0)
+  np.testing.assert_array_equal(np.asarray(cache.length), n_real)
+  for j in range(n_blocks):
+    idx = n_real[:, None] + j * blk + np.arange(-blk, blk)[None]  # [previous block | block j]
+    chunk = jnp.asarray(np.take_along_axis(real, np.maximum(idx, 0), axis=1))
+    head_valid = np.full((B, blk), j > 0)
+    valid_new = jnp.asarray(np.concatenate([head_valid, np.ones((B, blk), bool)], axis=1))
+    keep = jnp.full((B,), blk if j > 0 else 0, jnp.int32)
+    logits, cache = step(params, chunk, jnp.asarray(np.maximum(idx, 0), jnp.int32), cache, valid_new, keep,
+                         new_block=blk)
+    assert logits.shape == (B, blk, BASE["vocab_size"])
+    np.testing.assert_allclose(np.asarray(logits), rows(ref, n_real, j * blk, blk), **TOL)
+    np.testing.assert_array_equal(np.asarray(cache.length), n_real + j * blk)
+  with pytest.raises(ValueError, match="per-row cache"):
+    KVCache.init(spec.cfg, B, 4).commit(jnp.zeros((B, 4), bool), jnp.ones((B,), jnp.int32))
+
+
 def test_cache_under_mesh_matches_single_device():
   """With params sharded over a data x tensor mesh, the cache is sharded over batch and heads
   and the cached logits equal the uncached single-device forward."""

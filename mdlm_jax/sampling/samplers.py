@@ -186,12 +186,12 @@ class _ConfidenceBase:
         prev_pos = jax.lax.dynamic_slice_in_dim(positions, lo - bs, bs, axis=1)
         logits, cache = model.cached(jnp.concatenate([prev, blk], 1), jnp.concatenate([prev_pos, pos], 1),
                                      s["cache"], True, None, bs, bs)
-        return logits[:, bs:], cache
+        return logits, cache
 
       def encode_prompt_and_refine():
         logits, cache = model.cached(jnp.concatenate([s["tokens"][:, :gs], blk], 1), positions[:, :gs + bs],
                                      s["cache"], True, valid[:, :gs + bs], gs, bs)
-        return logits[:, gs:], cache
+        return logits, cache
 
       branch = jnp.where(s["step"] > 0, 0, jnp.where(s["block"] > 0, 1, 2))
       logits, cache = jax.lax.switch(branch, (refine, encode_previous_and_refine, encode_prompt_and_refine))
