@@ -55,3 +55,20 @@ def test_cpu_default_runs_in_float64_inside_jit():
   hlo = jax.jit(lambda l, w: gumbel_argmax(l, w, 1.0)).lower(logits, words).as_text()
   assert "f64" in hlo
   assert jax.jit(lambda l, w: gumbel_argmax(l, w, 1.0)).lower(logits, words).out_info.dtype == jnp.int32
+
+
+def test_top_p_filter_keeps_the_nucleus():
+  """Against a float64 numpy nucleus: the fewest most-likely tokens whose mass reaches top_p."""
+  from mdlm_jax.sampling.gumbel import top_p_filter
+  rng = np.random.default_rng()
+  logits = rng.normal(size=(5, 40)) * 2
+  top_p = rng.uniform(0.05, 0.95, size=(5, 1))
+  got = np.isfinite(np.asarray(top_p_filter(jnp.asarray(logits, jnp.float32), jnp.asarray(top_p, jnp.float32))))
+  for r in range(5):
+    p = np.exp(logits[r] - logits[r].max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    n = int(np.searchsorted(np.cumsum(p[order]), top_p[r, 0]) + 1)
+    want = np.zeros(40, bool)
+    want[order[:n]] = True
+    np.testing.assert_array_equal(got[r], want)

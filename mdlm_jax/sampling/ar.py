@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from mdlm_jax.kv_cache import KVCache
-from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words
+from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
 
 if TYPE_CHECKING:
   from mdlm_jax.builder import ModelSpec
@@ -33,12 +33,7 @@ def sample_token(logits: Float[Array, "b v"], key: PRNGKeyArray, *, temperature:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
   if top_p < 1.0:
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(desc, axis=-1)
-    # A token is in the nucleus if the mass strictly before it is < top_p.
-    inside = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    cutoff = jnp.min(jnp.where(inside, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    logits = top_p_filter(logits, top_p)
   return gumbel_argmax(logits, random_words(key, logits.shape))
 
 

@@ -37,6 +37,25 @@ class Result:
   seconds: float
 
 
+MASK_TEXT = "\u2591"  # how a [MASK] shows in a draft
+
+
+def draft_text(tok, ids, mask_text: str = MASK_TEXT) -> str:
+  """A partially masked token row as text, each [MASK] shown as `mask_text`."""
+  pieces, run = [], []
+  for t in np.asarray(ids).tolist():
+    if t == tok.mask_id:
+      if run:
+        pieces.append(tok.decode(run))
+        run = []
+      pieces.append(mask_text)
+    else:
+      run.append(t)
+  if run:
+    pieces.append(tok.decode(run))
+  return "".join(pieces)
+
+
 def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
   cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
   return (text[:cut], True) if cut >= 0 else (text, False)
@@ -206,20 +225,8 @@ class Generator:
                 for i in range(int(out["num_drafts"]))]
     return Completion(text, gen.tolist(), finish, len(prompt_ids), drafts)
 
-  def draft_text(self, region: np.ndarray, mask_text: str = "\u2591") -> str:
-    """A partially masked region as text, [MASK] shown as `mask_text`."""
-    pieces, run = [], []
-    for t in region.tolist():
-      if t == self.tok.mask_id:
-        if run:
-          pieces.append(self.tok.decode(run))
-          run = []
-        pieces.append(mask_text)
-      else:
-        run.append(t)
-    if run:
-      pieces.append(self.tok.decode(run))
-    return "".join(pieces)
+  def draft_text(self, region: np.ndarray, mask_text: str = MASK_TEXT) -> str:
+    return draft_text(self.tok, region, mask_text)
 
 
 class ARGenerator:

@@ -59,3 +59,14 @@ def gumbel_argmax(logits: jax.Array, words: jax.Array, temperature: float = 1.0,
     iota = lax.broadcasted_iota(jnp.int32, y.shape, axis)
     first = lax.select(y == best, iota, lax.full_like(iota, y.shape[axis]))
     return lax.reduce_min(first, axes=(axis,))
+
+
+def top_p_filter(logits: jax.Array, top_p) -> jax.Array:
+  """Logits outside the nucleus (the most likely tokens whose mass reaches
+  top_p) set to -inf, over the last axis. `top_p` broadcasts against
+  logits[..., :1]; the most likely token always stays, so a tiny top_p is greedy."""
+  desc = -jnp.sort(-logits, axis=-1)
+  probs = jax.nn.softmax(desc, axis=-1)
+  inside = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the mass strictly before a token
+  cutoff = jnp.min(jnp.where(inside, desc, jnp.inf), axis=-1, keepdims=True)
+  return jnp.where(logits >= cutoff, logits, -jnp.inf)

@@ -1,0 +1,348 @@
+"""Continuous batching: requests join free slots as they arrive and leave when done.
+
+One background thread owns the device state. Each turn it admits waiting
+requests into free slots (one prefill each), runs one refinement pass over all
+slots, and turns the new state into events for each request: the current
+draft (for clients watching the diffusion), text committed since the last
+turn (a finished block never changes again), and the end. Cancelling a
+request frees its slot at the next turn.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdlm_jax.builder import LoadedModel
+from mdlm_jax.engine import slots as slots_lib
+from mdlm_jax.sampling.generate import MASK_TEXT, draft_text, truncate_at_stop
+
+
+class QueueFull(RuntimeError):
+  """More requests are waiting than the engine accepts."""
+
+
+class EngineClosed(RuntimeError):
+  """The engine is shutting down and admits nothing new."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  prompt_ids: Sequence[int]
+  max_tokens: int
+  threshold: float = 0.9
+  min_tokens: int = 4
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int = 0
+  stop: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Event:
+  """kind: "draft" (text = the whole current draft), "delta" (text = newly
+  committed text) or "done" (text = the final completion)."""
+  kind: str
+  text: str = ""
+  finish_reason: str | None = None
+  completion_tokens: int = 0
+  passes: int = 0
+
+
+class Handle:
+  """A submitted request: its events, in order, and a way to cancel it."""
+
+  _ids = itertools.count()
+
+  def __init__(self, request: Request, want_drafts: bool):
+    self.id = next(self._ids)
+    self.request, self.want_drafts = request, want_drafts
+    self._events: collections.deque[Event] = collections.deque()
+    self._cond = threading.Condition()
+    self._listeners: list[Callable[[], None]] = []
+    self.cancelled = False
+    self.finished = False
+    self.submitted = time.perf_counter()
+    # Engine bookkeeping.
+    self.slot: int | None = None
+    self.emitted = ""
+
+  def add_listener(self, fn: Callable[[], None]) -> None:
+    """`fn()` is called (from the engine thread) whenever an event arrives."""
+    with self._cond:
+      self._listeners.append(fn)
+      pending = bool(self._events)
+    if pending:
+      fn()
+
+  def _push(self, ev: Event) -> None:
+    with self._cond:
+      self._events.append(ev)
+      if ev.kind == "done":
+        self.finished = True
+      self._cond.notify_all()
+      listeners = list(self._listeners)
+    for fn in listeners:
+      fn()
+
+  def poll(self) -> list[Event]:
+    with self._cond:
+      out = list(self._events)
+      self._events.clear()
+    return out
+
+  def events(self, timeout: float | None = None):
+    """Blocking iterator over events, ending after "done"."""
+    while True:
+      with self._cond:
+        if not self._events and not self._cond.wait_for(lambda: bool(self._events), timeout):
+          raise TimeoutError(f"request {self.id}: no event in {timeout}s")
+        ev = self._events.popleft()
+      yield ev
+      if ev.kind == "done":
+        return
+
+  def result(self, timeout: float | None = None) -> Event:
+    for ev in self.events(timeout):
+      if ev.kind == "done":
+        return ev
+    raise RuntimeError("unreachable")
+
+  def cancel(self) -> None:
+    self.cancelled = True
+
+
+class Engine:
+  """Serves a block-diffusion (or MDLM) checkpoint from `num_slots` slots.
+
+  `mesh`: run under this mesh, parameters as loaded onto it and slots sharded
+  over 'data' x 'fsdp' (num_slots must divide); None: one device."""
+
+  def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
+               max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None):
+    if loaded.spec.cfg.causal:
+      raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
+    bs = block_size or loaded.config.diffusion.get("block_size", 0) or 8
+    if max_new_tokens % bs:
+      raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
+    if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
+      raise ValueError(f"{num_slots} slots do not divide over the mesh's data x fsdp axes")
+    tok = loaded.tokenizer
+    self.loaded, self.tok, self.mesh = loaded, tok, mesh
+    self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)
+    self.max_queue = max_queue
+    self._admit, self._step = slots_lib.compile_programs(loaded.spec, self.sc)
+    with self._mesh_context():
+      state = slots_lib.init_slots(loaded.spec, self.sc)
+      if mesh is not None:
+        state = jax.tree.map(lambda x: jax.device_put(x, _row_sharding(mesh, x, num_slots)), state)
+      self._state = state
+    self._waiting: collections.deque[Handle] = collections.deque()
+    self._slots: list[Handle | None] = [None] * num_slots
+    self._lock = threading.Condition()
+    self._closing = False
+    self._stop = False
+    self._thread: threading.Thread | None = None
+    self.stats = collections.Counter()
+    self.error: BaseException | None = None
+
+  # -- public API -----------------------------------------------------------
+
+  @property
+  def num_slots(self) -> int:
+    return self.sc.num_slots
+
+  def queue_depth(self) -> int:
+    with self._lock:
+      return len(self._waiting)
+
+  def active_requests(self) -> int:
+    with self._lock:
+      return sum(h is not None for h in self._slots)
+
+  def start(self) -> "Engine":
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._loop, name="mdlm-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def submit(self, request: Request, *, want_drafts: bool = False) -> Handle:
+    self._check(request)
+    h = Handle(request, want_drafts)
+    with self._lock:
+      if self._closing:
+        raise EngineClosed("the server is shutting down")
+      if len(self._waiting) >= self.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests are already waiting")
+      self._waiting.append(h)
+      self._lock.notify_all()
+    return h
+
+  def close(self, deadline_s: float = 30.0) -> None:
+    """Stops admitting; lets running requests finish until the deadline, then
+    cancels what is left (waiting requests end with finish_reason "cancelled")."""
+    with self._lock:
+      self._closing = True
+      waiting, self._waiting = list(self._waiting), collections.deque()
+      self._lock.notify_all()
+    for h in waiting:
+      h._push(Event("done", "", "cancelled"))
+    end = time.monotonic() + deadline_s
+    while self.active_requests() and time.monotonic() < end and self._thread is not None and self._thread.is_alive():
+      time.sleep(0.01)
+    with self._lock:
+      for h in self._slots:
+        if h is not None:
+          h.cancel()
+      self._stop = True
+      self._lock.notify_all()
+    if self._thread is not None:
+      self._thread.join(timeout=10)
+
+  # -- engine thread --------------------------------------------------------
+
+  def _check(self, r: Request) -> None:
+    if not 1 <= len(r.prompt_ids) <= self.sc.max_prompt:
+      raise ValueError(f"the prompt has {len(r.prompt_ids)} tokens; this engine takes 1 to {self.sc.max_prompt}")
+    if not 1 <= r.max_tokens <= self.sc.max_new_tokens:
+      raise ValueError(f"max_tokens must be in [1, {self.sc.max_new_tokens}], got {r.max_tokens}")
+    if not 0.0 <= r.threshold <= 1.0:
+      raise ValueError(f"threshold must be in [0, 1], got {r.threshold}")
+    if r.min_tokens < 1:
+      raise ValueError(f"min_tokens must be >= 1, got {r.min_tokens}")
+    if not 0.0 < r.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {r.top_p}")
+    if not 0.0 <= r.temperature <= 100.0:
+      raise ValueError(f"temperature must be in [0, 100], got {r.temperature}")
+
+  def _mesh_context(self):
+    import contextlib
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _loop(self) -> None:
+    try:
+      with self._mesh_context():
+        while True:
+          with self._lock:
+            while not self._stop and not self._waiting and not any(self._slots):
+              self._lock.wait(timeout=0.5)
+            if self._stop:
+              return
+          self._admit_waiting()
+          self._drop_cancelled()
+          if any(h is not None for h in self._slots):
+            self._state = self._step(self.loaded.params, self._state)
+            self.stats["steps"] += 1
+            self._publish()
+    except BaseException as e:  # the engine is dead: fail every request loudly
+      self.error = e
+      with self._lock:
+        handles = [h for h in self._slots if h is not None] + list(self._waiting)
+        self._waiting.clear()
+        self._slots = [None] * self.num_slots
+      for h in handles:
+        h._push(Event("done", "", "error"))
+      raise
+
+  def _admit_waiting(self) -> None:
+    while True:
+      with self._lock:
+        free = [i for i, h in enumerate(self._slots) if h is None]
+        if not free or not self._waiting:
+          return
+        h = self._waiting.popleft()
+        if h.cancelled:
+          h._push(Event("done", "", "cancelled"))
+          continue
+        row = free[0]
+        self._slots[row] = h
+      r = h.request
+      bucket = _bucket(len(r.prompt_ids), self.sc.max_prompt)
+      prompt = np.full((bucket,), self.tok.pad_id, np.int32)
+      prompt[:len(r.prompt_ids)] = r.prompt_ids
+      n_blocks = -(-r.max_tokens // self.sc.block_size)
+      key = np.asarray(jax.random.key_data(jax.random.key(r.seed)), np.uint32)
+      self._state = self._admit(self.loaded.params, self._state, jnp.int32(row), jnp.asarray(prompt),
+                                jnp.int32(len(r.prompt_ids)), jnp.int32(n_blocks), jnp.float32(r.threshold),
+                                jnp.int32(r.min_tokens), jnp.float32(r.temperature), jnp.float32(r.top_p),
+                                jnp.asarray(key))
+      h.slot = row
+      self.stats["admitted"] += 1
+      if h.want_drafts:
+        h._push(Event("draft", MASK_TEXT * r.max_tokens))
+
+  def _drop_cancelled(self) -> None:
+    for row, h in enumerate(self._slots):
+      if h is not None and h.cancelled:
+        self._state = self._state.replace(active=self._state.active.at[row].set(False))
+        self._release(row, Event("done", h.emitted, "cancelled"))
+
+  def _release(self, row: int, ev: Event) -> None:
+    with self._lock:
+      h = self._slots[row]
+      self._slots[row] = None
+      self._lock.notify_all()
+    h._push(ev)
+    self.stats["finished"] += 1
+
+  def _publish(self) -> None:
+    s = self._state
+    gen, block, active, passes = jax.device_get((s.gen, s.block, s.active, s.passes))
+    bs = self.sc.block_size
+    for row, h in enumerate(self._slots):
+      if h is None:
+        continue
+      r = h.request
+      ids = gen[row, :r.max_tokens]
+      committed = ids[:min(int(block[row]) * bs, r.max_tokens)]
+      eos = np.flatnonzero(committed == self.tok.eos_id)
+      hit_eos = bool(eos.size)
+      if hit_eos:
+        committed = committed[:eos[0]]
+      text = self.tok.decode(committed.tolist())
+      text, stopped = truncate_at_stop(text, r.stop)
+      done = stopped or hit_eos or not active[row] or len(committed) >= r.max_tokens
+      if not done:  # a character split across blocks decodes as U+FFFD until its block is in
+        text = text.rstrip("\ufffd")
+      if h.want_drafts:
+        tail = ids[len(committed):] if not done else ids[:0]
+        h._push(Event("draft", text + draft_text(self.tok, tail), passes=int(passes[row])))
+      # Text is final once its block is: send what was not sent yet. A prefix
+      # of tokens can decode to a little more than the final text only when a
+      # stop string cuts it, and stop strings are applied before this point.
+      if len(text) > len(h.emitted) and text.startswith(h.emitted):
+        h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row])))
+        h.emitted = text
+      if done:
+        if active[row]:
+          self._state = self._state.replace(active=self._state.active.at[row].set(False))
+        reason = "stop" if (stopped or hit_eos) else "length"
+        self._release(row, Event("done", h.emitted, reason, completion_tokens=len(committed),
+                                 passes=int(passes[row])))
+
+
+def _bucket(n: int, cap: int) -> int:
+  """Prompt lengths are padded to powers of two (at least 16): few compiles."""
+  b = 16
+  while b < n:
+    b *= 2
+  return min(b, cap)
+
+
+def _row_sharding(mesh, x: Any, num_slots: int):
+  """Slot-indexed arrays are split over the batch axes on their slot axis."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  batch = ("data", "fsdp")
+  if x.ndim >= 2 and x.shape[1] == num_slots and x.ndim == 5:  # cache k/v: [layers, slots, ...]
+    return NamedSharding(mesh, P(None, batch))
+  if x.ndim >= 1 and x.shape[0] == num_slots:
+    return NamedSharding(mesh, P(batch))
+  return NamedSharding(mesh, P())

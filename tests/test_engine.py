@@ -1,0 +1,124 @@
+"""The continuous-batching engine: the same tokens as the one-shot generator,
+per-request settings in one batch, drafts, cancellation, a mesh."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from mdlm_jax import builder, sharding
+from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request
+from mdlm_jax.sampling.generate import Generator
+from mdlm_jax.sampling.samplers import ThresholdSampler
+
+PROMPTS = ["def f(x):\n", "import os\nimport sys\n\nclass Thing:\n    ", "x = "]
+SETTINGS = [dict(threshold=0.9, min_tokens=2), dict(threshold=0.5, min_tokens=4), dict(threshold=1.0, min_tokens=1)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints):
+  return builder.load(tiny_checkpoints["mdlm"])
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).start()
+  yield e
+  e.close(deadline_s=1)
+
+
+def _request(loaded, prompt, **kw):
+  gen = Generator(loaded)
+  return Request(gen.encode_prompt(prompt), **kw)
+
+
+def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
+  """Requests with different settings and prompt lengths, sharing passes, give
+  exactly the one-shot cached block sampler's tokens for each alone."""
+  gen = Generator(loaded)
+  handles = [engine.submit(_request(loaded, p, max_tokens=20, **kw)) for p, kw in zip(PROMPTS, SETTINGS)]
+  for h, p, kw in zip(handles, PROMPTS, SETTINGS):
+    done = h.result(timeout=120)
+    want = gen.generate([p], max_new_tokens=20, seed=0,
+                        sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
+    assert done.text == want.text
+    assert done.finish_reason == want.finish_reason
+
+
+def test_sampled_tokens_do_not_depend_on_company(loaded, engine):
+  req = _request(loaded, PROMPTS[0], max_tokens=16, temperature=1.0, seed=7, threshold=0.8, min_tokens=2)
+  alone = engine.submit(req).result(timeout=120).text
+  crowd = [engine.submit(_request(loaded, p, max_tokens=24, temperature=1.0, seed=i)) for i, p in enumerate(PROMPTS)]
+  again = engine.submit(req)
+  assert again.result(timeout=120).text == alone
+  for h in crowd:
+    h.result(timeout=120)
+  other = engine.submit(_request(loaded, PROMPTS[0], max_tokens=16, temperature=1.0, seed=8, threshold=0.8,
+                                 min_tokens=2)).result(timeout=120).text
+  assert other != alone or len(alone) == 0
+
+
+def test_tiny_top_p_is_greedy(loaded, engine):
+  greedy = engine.submit(_request(loaded, PROMPTS[0], max_tokens=16)).result(timeout=120).text
+  nucleus = engine.submit(_request(loaded, PROMPTS[0], max_tokens=16, temperature=1.5, top_p=1e-6, seed=5))
+  assert nucleus.result(timeout=120).text == greedy
+
+
+def test_drafts_sharpen_and_end_at_the_answer(loaded, engine):
+  h = engine.submit(_request(loaded, PROMPTS[1], max_tokens=24, min_tokens=1, threshold=1.0), want_drafts=True)
+  events = list(h.events(timeout=120))
+  drafts = [e.text for e in events if e.kind == "draft"]
+  deltas = "".join(e.text for e in events if e.kind == "delta")
+  done = events[-1]
+  assert done.kind == "done" and drafts[0] == MASK_TEXT * 24
+  assert drafts[-1] == done.text == deltas
+  masks = [d.count(MASK_TEXT) for d in drafts]
+  assert all(a >= b for a, b in zip(masks, masks[1:])) and masks[-1] == 0
+  assert len(drafts) > 3  # one token a pass: many drafts
+
+
+def test_stop_strings_and_length(loaded, engine):
+  free = engine.submit(_request(loaded, PROMPTS[0], max_tokens=24)).result(timeout=120)
+  if len(free.text) >= 3:
+    stop = free.text[1:3]
+    cut = engine.submit(_request(loaded, PROMPTS[0], max_tokens=24, stop=(stop,))).result(timeout=120)
+    assert cut.finish_reason == "stop" and cut.text == free.text[:free.text.find(stop)]
+  short = engine.submit(_request(loaded, PROMPTS[0], max_tokens=5)).result(timeout=120)
+  assert short.completion_tokens <= 5
+
+
+def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
+  e = Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=24, block_size=8, max_queue=1).start()
+  try:
+    slow = e.submit(_request(loaded, PROMPTS[0], max_tokens=24, min_tokens=1, threshold=1.0))
+    deadline = time.monotonic() + 60
+    while slow.slot is None and time.monotonic() < deadline:  # admitted: the queue is empty again
+      time.sleep(0.001)
+    waiting = e.submit(_request(loaded, PROMPTS[2], max_tokens=8))
+    with pytest.raises(QueueFull):
+      e.submit(_request(loaded, PROMPTS[2], max_tokens=8))
+    slow.cancel()
+    assert slow.result(timeout=60).finish_reason == "cancelled"
+    assert waiting.result(timeout=60).finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="max_tokens"):
+      e.submit(_request(loaded, PROMPTS[0], max_tokens=25))
+    with pytest.raises(ValueError, match="prompt has"):
+      e.submit(Request([1] * 33, max_tokens=8))
+  finally:
+    e.close(deadline_s=1)
+  with pytest.raises(EngineClosed):
+    e.submit(_request(loaded, PROMPTS[0], max_tokens=8))
+
+
+def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
+  sharded = builder.load(tiny_checkpoints["mdlm"], mesh=mesh)
+  e = Engine(sharded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8, mesh=mesh).start()
+  try:
+    reqs = [_request(loaded, p, max_tokens=16, temperature=1.0, seed=3, **kw) for p, kw in zip(PROMPTS, SETTINGS)]
+    got = [h.result(timeout=120).text for h in [e.submit(r) for r in reqs]]
+  finally:
+    e.close(deadline_s=1)
+  want = [h.result(timeout=120).text for h in [engine.submit(r) for r in reqs]]
+  assert got == want
