@@ -1,0 +1,112 @@
+"""python -m mdlm_jax.serve [--checkpoint=DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--slots N]
+
+Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
+API: /v1/models, /v1/chat/completions, /v1/completions, /v1/fim/completions,
+plus /health and /metrics. SIGTERM (or Ctrl-C) stops admitting requests, lets
+running ones finish within --shutdown-timeout seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.serve", description=__doc__.split("\n\n")[1])
+  p.add_argument("--checkpoint", help="training workdir, checkpoint or params-only folder (default: packaged)")
+  p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MDLM_API_KEY)")
+  p.add_argument("--slots", type=int, default=8, help="requests decoded together in each forward pass")
+  p.add_argument("--mesh", default=None,
+                 help="device mesh, e.g. 'data=2,tensor=2' (slots over data, params over fsdp/tensor)")
+  p.add_argument("--model-id", default=None, help="the model name clients send (default: the folder name)")
+  p.add_argument("--max-prompt-tokens", type=int, default=512)
+  p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may generate")
+  p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+  p.add_argument("--max-n", type=int, default=8)
+  p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+  p.add_argument("--shutdown-timeout", type=float, default=30.0)
+  a = p.parse_args(argv)
+  for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes"):
+    if getattr(a, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+  if not 0 <= a.port <= 65535:
+    p.error(f"--port must be in [0, 65535], got {a.port}")
+  if a.mesh is not None:
+    try:
+      a.mesh = {k.strip(): int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
+    except ValueError:
+      p.error(f"--mesh must look like 'data=2,tensor=2', got {a.mesh!r}")
+    unknown = set(a.mesh) - {"data", "fsdp", "tensor"}
+    if unknown:
+      p.error(f"--mesh axes are data, fsdp and tensor; got {sorted(unknown)}")
+  return a
+
+
+def build(a):
+  """(engine, app) for parsed flags."""
+  import jax
+  from mdlm_jax import builder, packaged, sharding
+  from mdlm_jax.engine.engine import Engine
+  from mdlm_jax.server.app import api_key_from_env, create_app
+  from mdlm_jax.server.protocol import Limits
+  mesh = None
+  if a.mesh is not None:
+    axes = {"data": 1, "fsdp": 1, "tensor": 1, **a.mesh}
+    n = axes["data"] * axes["fsdp"] * axes["tensor"]
+    if n > len(jax.devices()):
+      raise ValueError(f"--mesh needs {n} devices; {len(jax.devices())} are visible")
+    mesh = sharding.make_mesh(axes, jax.devices()[:n])
+  path = a.checkpoint or packaged.path()
+  loaded = builder.load(path, mesh=mesh)
+  bs = loaded.config.diffusion.get("block_size", 0) or 8
+  max_tokens = -(-a.max_tokens // bs) * bs
+  engine = Engine(loaded, num_slots=a.slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
+                  max_queue=a.max_queue, mesh=mesh)
+  limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
+                  max_n=a.max_n)
+  model_id = a.model_id or os.path.basename(os.path.normpath(path))
+  return engine, create_app(engine, model_id=model_id, api_key=api_key_from_env(a.api_key), limits=limits)
+
+
+def main(argv=None):
+  a = parse(sys.argv[1:] if argv is None else argv)
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)
+  from mdlm_jax import cli
+  cli.drop_closed_loop_noise()
+  try:
+    engine, app = build(a)
+  except cli.USER_ERRORS as e:
+    cli.fail("serve", e)
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    """On SIGTERM/SIGINT: refuse new requests (503) and drain the engine."""
+
+    def handle_exit(self, sig, frame):
+      state = app.state.server
+      if not state.shutting_down:
+        state.shutting_down = True
+        threading.Thread(target=engine.close, args=(a.shutdown_timeout,), daemon=True).start()
+      super().handle_exit(sig, frame)
+      # uvicorn re-raises the signal after a graceful stop, which would end the
+      # process as killed by it; a drained shutdown is a clean exit here.
+      self._captured_signals.clear()
+
+  engine.start()
+  config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
+                          timeout_graceful_shutdown=a.shutdown_timeout)
+  server = Server(config)
+  print(f"serving {app.state.server.model_id} on http://{a.host}:{a.port}/v1 ({a.slots} slots)", flush=True)
+  server.run()
+  engine.close(deadline_s=0)
+  print("shut down", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,203 @@
+"""python -m mdlm_jax.serve against the official openai client, on 127.0.0.1."""
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import REPO
+
+KEY = "sk-test-key"
+MASK = "\u2591"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(checkpoint, *args, devices=1):
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env.pop("MDLM_API_KEY", None)
+  proc = subprocess.Popen([sys.executable, "-m", "mdlm_jax.serve", f"--checkpoint={checkpoint}", f"--port={port}",
+                           "--max-tokens=48", "--max-prompt-tokens=64", *args],
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  base = f"http://127.0.0.1:{port}"
+  deadline = time.monotonic() + 180
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited: {proc.stderr.read()}")
+    try:
+      if httpx.get(base + "/health", timeout=1).status_code == 200:
+        return proc, base
+    except httpx.HTTPError:
+      pass
+    time.sleep(0.2)
+  proc.kill()
+  raise RuntimeError("server did not come up")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny")
+  yield proc, base
+  if proc.poll() is None:
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _chat(client, **kw):
+  args = dict(model="tiny", messages=[{"role": "user", "content": "Write a loop."}], max_tokens=24)
+  args.update(kw)
+  return client.chat.completions.create(**args)
+
+
+def test_models(client):
+  assert [m.id for m in client.models.list().data] == ["tiny"]
+  assert client.models.retrieve("tiny").id == "tiny"
+  with pytest.raises(openai.NotFoundError):
+    client.models.retrieve("gpt-9")
+
+
+def test_chat_and_streaming_agree(client):
+  full = _chat(client, temperature=0.8, seed=11)
+  text = full.choices[0].message.content
+  assert full.usage.completion_tokens >= 1 and full.usage.total_tokens == full.usage.prompt_tokens + \
+      full.usage.completion_tokens
+  chunks = list(_chat(client, temperature=0.8, seed=11, stream=True, stream_options={"include_usage": True}))
+  streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert streamed == text
+  assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_diffusing_stream_sends_whole_drafts(client):
+  final = _chat(client, seed=3, reasoning_effort="high").choices[0].message.content
+  chunks = list(_chat(client, seed=3, reasoning_effort="high", stream=True, extra_body={"diffusing": True}))
+  drafts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content is not None]
+  drafts = [d for d in drafts if d != ""]
+  assert drafts[-1] == final and drafts[0].count(MASK) >= 1
+  masks = [d.count(MASK) for d in drafts]
+  assert all(a >= b for a, b in zip(masks, masks[1:])) and masks[-1] == 0
+
+
+def test_completions_infill_and_fim(client, server):
+  r = client.completions.create(model="tiny", prompt="def add(a, b):\n    return", max_tokens=8, seed=0)
+  assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 8
+  r = client.completions.create(model="tiny", prompt="x = [", suffix="]\n", max_tokens=6, seed=0)
+  assert isinstance(r.choices[0].text, str)
+  out = httpx.post(server[1] + "/v1/fim/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "prompt": "x = [", "suffix": "]\n", "max_tokens": 6}, timeout=120).json()
+  assert isinstance(out["choices"][0]["text"], str) and out["object"] == "text_completion"
+
+
+def test_efforts_n_and_stop(client):
+  for effort in ("instant", "low", "medium", "high"):
+    assert _chat(client, reasoning_effort=effort).choices[0].finish_reason in ("stop", "length")
+  r = _chat(client, n=3, temperature=1.0, seed=5)
+  assert [c.index for c in r.choices] == [0, 1, 2]
+  free = _chat(client, seed=2).choices[0].message.content
+  if len(free) >= 4:
+    cut = _chat(client, seed=2, stop=[free[2:4]]).choices[0]
+    assert cut.message.content == free[:free.find(free[2:4])] and cut.finish_reason == "stop"
+
+
+def _error(base, method, path, status, *, key=KEY, **kw):
+  headers = {"Authorization": f"Bearer {key}"} if key else {}
+  r = httpx.request(method, base + path, headers=headers, timeout=60, **kw)
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert set(err) == {"message", "type", "param", "code"} and err["message"]
+  return err
+
+
+def test_errors_have_the_openai_shape(server, client):
+  base = server[1]
+  ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+  assert _error(base, "POST", "/v1/chat/completions", 401, key="wrong", json=ok)["type"] == "authentication_error"
+  _error(base, "GET", "/v1/models", 401, key=None)
+  assert _error(base, "POST", "/v1/chat/completions", 400, json={**ok, "temperature": "hot"})["param"] == "temperature"
+  assert _error(base, "POST", "/v1/chat/completions", 400, json={**ok, "n": 99})["param"] == "n"
+  assert _error(base, "POST", "/v1/chat/completions", 400,
+                json={**ok, "reasoning_effort": "max"})["param"] == "reasoning_effort"
+  _error(base, "POST", "/v1/chat/completions", 400, json={**ok, "stop": ["a", "b", "c", "d", "e"]})
+  _error(base, "POST", "/v1/chat/completions", 400, json={"model": "tiny"})
+  _error(base, "POST", "/v1/chat/completions", 400, content=b"{not json")
+  assert _error(base, "POST", "/v1/chat/completions", 404, json={**ok, "model": "other"})["param"] == "model"
+  _error(base, "GET", "/v1/nothing", 404)
+  _error(base, "POST", "/v1/chat/completions", 413, content=b"x" * (1 << 21))
+  long = {**ok, "messages": [{"role": "user", "content": "word " * 400}]}
+  assert _error(base, "POST", "/v1/chat/completions", 422, json=long)["code"] == "context_length_exceeded"
+  with pytest.raises(openai.BadRequestError):
+    _chat(client, max_tokens=10_000)
+  assert httpx.get(base + "/health").json()["status"] == "ok"  # none of it hurt the server
+
+
+def test_sixteen_concurrent_streams(client):
+  def one(seed):
+    chunks = list(_chat(client, seed=seed, temperature=1.0, stream=True))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[0].finish_reason
+
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    results = list(pool.map(one, [i % 4 for i in range(16)]))
+  for i, (text, finish) in enumerate(results):
+    assert finish in ("stop", "length")
+    assert text == results[i % 4][0]  # the same seed, the same answer, whoever shared the batch
+
+
+def test_disconnect_frees_the_slot(server):
+  base = server[1]
+  body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 48, "stream": True,
+          "reasoning_effort": "high"}
+  with httpx.stream("POST", base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                    timeout=60) as r:
+    next(r.iter_lines())
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and httpx.get(base + "/health").json()["active"]:
+    time.sleep(0.1)
+  assert httpx.get(base + "/health").json()["active"] == 0
+  metrics = httpx.get(base + "/metrics").text
+  assert "mdlm_requests_total" in metrics and "mdlm_request_latency_seconds_bucket" in metrics
+
+
+def test_mesh_server_matches_one_device_and_sigterm_exits_cleanly(tiny_checkpoints, client):
+  proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--mesh=data=2,tensor=2", devices=4)
+  try:
+    mesh_client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for seed in (0, 1):
+      want = _chat(client, seed=seed, temperature=1.0).choices[0].message.content
+      assert _chat(mesh_client, seed=seed, temperature=1.0).choices[0].message.content == want
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_queue_full_is_429_and_shutdown_is_503(tiny_checkpoints):
+  from fastapi.testclient import TestClient
+
+  from mdlm_jax import builder
+  from mdlm_jax.engine.engine import Engine
+  from mdlm_jax.server.app import create_app
+  engine = Engine(builder.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=64, max_new_tokens=48, max_queue=0)
+  app = create_app(engine, model_id="tiny")
+  http = TestClient(app)
+  body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+  r = http.post("/v1/chat/completions", json=body)
+  assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+  app.state.server.shutting_down = True
+  r = http.post("/v1/chat/completions", json=body)
+  assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+  assert http.get("/health").status_code == 503
