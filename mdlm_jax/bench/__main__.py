@@ -1,8 +1,8 @@
-"""python -m mdlm_jax.bench {train,sample} [--json] [options]"""
+"""python -m mdlm_jax.bench {train,sample,serve} [--json] [options]"""
 
 import sys
 
-COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample"}
+COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample", "serve": "mdlm_jax.bench.serve"}
 
 
 def main(argv=None):

@@ -1,0 +1,186 @@
+"""Serving under bounded load: the HTTP server against the engine in-process.
+
+  python -m mdlm_jax.bench serve [--checkpoint=DIR] [--json] [--out=F.json] [--png=F.png]
+
+Starts the real server on 127.0.0.1 (uvicorn in this process, engine with
+--slots slots), then for each concurrency level runs that many clients, each
+sending --requests-per-client non-streaming completions in turn (prompts from
+held-out validation code). Reports p50/p95 latency and total tokens/s per
+level, the HTTP overhead at concurrency 1 against calling the engine directly,
+and the throughput gained by batching (highest level against 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench serve")
+  p.add_argument("--checkpoint", default=None, help="diffusion checkpoint (default: the packaged model)")
+  p.add_argument("--slots", type=int, default=16)
+  p.add_argument("--concurrency", default="1,4,16")
+  p.add_argument("--requests-per-client", type=int, default=3)
+  p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--prompt-tokens", type=int, default=64)
+  p.add_argument("--effort", default="medium")
+  p.add_argument("--json", action="store_true")
+  p.add_argument("--out", default=None, help="also write the JSON here")
+  p.add_argument("--png", default="bench_serve.png", help="latency/throughput plot ('' to skip)")
+  a = p.parse_args(argv)
+  try:
+    a.concurrency = [int(x) for x in a.concurrency.split(",")]
+  except ValueError:
+    p.error(f"--concurrency must be comma-separated integers, got {a.concurrency!r}")
+  if min(a.concurrency) < 1 or a.requests_per_client < 1 or a.slots < 1:
+    p.error("--concurrency, --requests-per-client and --slots must be positive")
+  return a
+
+
+def _percentile(xs, q):
+  xs = sorted(xs)
+  return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def _summary(latencies, tokens, wall):
+  return {"requests": len(latencies), "p50_latency_s": _percentile(latencies, 50),
+          "p95_latency_s": _percentile(latencies, 95), "mean_latency_s": sum(latencies) / len(latencies),
+          "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def main(argv):
+  a = parse(argv)
+  from absl import logging
+  logging.set_verbosity(logging.ERROR)
+  import httpx
+  import uvicorn
+  from mdlm_jax import builder, cli, packaged
+  from mdlm_jax.bench.sample import validation_prompts
+  from mdlm_jax.engine.engine import Engine
+  from mdlm_jax.engine.engine import Request as EngineRequest
+  from mdlm_jax.sampling.presets import PRESETS
+  from mdlm_jax.server.app import create_app
+  from mdlm_jax.server.protocol import Limits
+  try:
+    path = a.checkpoint or packaged.path()
+    loaded = builder.load(path)
+    prompts = validation_prompts(loaded, 8, a.prompt_tokens)
+  except cli.USER_ERRORS as e:
+    cli.fail("bench serve", e)
+  bs = loaded.config.diffusion.get("block_size", 0) or 8
+  max_new = -(-a.max_tokens // bs) * bs
+  engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
+                  max_queue=4 * max(a.concurrency) * a.requests_per_client).start()
+  app = create_app(engine, model_id="bench",
+                   limits=Limits(max_tokens=max_new, max_prompt_tokens=2 * a.prompt_tokens + 16))
+  port = _free_port()
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  base = f"http://127.0.0.1:{port}"
+  while not server.started:
+    time.sleep(0.05)
+  preset = PRESETS[a.effort]
+
+  def engine_call(i):
+    ids = [loaded.tokenizer.bos_id] + loaded.tokenizer.encode(prompts[i % len(prompts)])
+    t0 = time.perf_counter()
+    done = engine.submit(EngineRequest(ids, a.max_tokens, threshold=preset.threshold, min_tokens=preset.min_tokens,
+                                       seed=i)).result(timeout=600)
+    return time.perf_counter() - t0, done.completion_tokens
+
+  http = httpx.Client(timeout=600)
+
+  def http_call(i):
+    body = {"model": "bench", "prompt": prompts[i % len(prompts)], "max_tokens": a.max_tokens, "seed": i,
+            "reasoning_effort": a.effort, "temperature": 0}
+    t0 = time.perf_counter()
+    r = http.post(base + "/v1/completions", json=body)
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+
+  # Compile every program (prefill buckets, the step) before timing.
+  for i in range(2):
+    engine_call(i)
+    http_call(i)
+  result = {"bench": "serve", "checkpoint": path, "slots": a.slots, "max_tokens": a.max_tokens,
+            "effort": a.effort, "levels": {}}
+  n = a.requests_per_client * max(1, min(a.concurrency))
+  t0 = time.perf_counter()
+  runs = [engine_call(i) for i in range(n)]
+  result["engine_in_process_c1"] = _summary([r[0] for r in runs], sum(r[1] for r in runs), time.perf_counter() - t0)
+  print(f"engine in-process, 1 client: {json.dumps(result['engine_in_process_c1'])}", file=sys.stderr, flush=True)
+  for c in a.concurrency:
+    jobs = c * a.requests_per_client
+
+    def client(k, c=c):
+      return [http_call(k * 1000 + j) for j in range(a.requests_per_client)]
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(c) as pool:
+      runs = [r for rs in pool.map(client, range(c)) for r in rs]
+    result["levels"][str(c)] = _summary([r[0] for r in runs], sum(r[1] for r in runs), time.perf_counter() - t0)
+    assert len(runs) == jobs
+    print(f"http, {c} clients: {json.dumps(result['levels'][str(c)])}", file=sys.stderr, flush=True)
+  levels = result["levels"]
+  if "1" in levels:
+    eng = result["engine_in_process_c1"]["mean_latency_s"]
+    result["http_overhead_c1"] = levels["1"]["mean_latency_s"] / eng - 1.0
+    top = str(max(a.concurrency))
+    result["throughput_gain"] = levels[top]["tokens_per_s"] / levels["1"]["tokens_per_s"]
+  server.should_exit = True
+  thread.join(timeout=30)
+  engine.close(deadline_s=5)
+  if a.png:
+    plot(result, a.png)
+    result["png"] = a.png
+  text = json.dumps(result, indent=None if a.json else 2)
+  if a.out:
+    with open(a.out, "w") as f:
+      f.write(json.dumps(result, indent=2) + "\n")
+  print(text)
+
+
+def plot(result: dict, path: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  levels = sorted(result["levels"], key=int)
+  xs = [int(c) for c in levels]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+  ax1.plot(xs, [result["levels"][c]["tokens_per_s"] for c in levels], "o-")
+  ax1.set_xlabel("concurrent clients")
+  ax1.set_ylabel("total tokens / s")
+  ax1.set_xscale("log", base=2)
+  ax2.plot(xs, [result["levels"][c]["p50_latency_s"] for c in levels], "o-", label="p50")
+  ax2.plot(xs, [result["levels"][c]["p95_latency_s"] for c in levels], "s--", label="p95")
+  ax2.set_xlabel("concurrent clients")
+  ax2.set_ylabel("latency (s)")
+  ax2.set_xscale("log", base=2)
+  ax2.legend()
+  for ax in (ax1, ax2):
+    ax.grid(alpha=0.3)
+  fig.suptitle(f"serving {result['checkpoint'].rstrip('/').split('/')[-1]}: {result['slots']} slots,"
+               f" {result['max_tokens']} tokens, effort {result['effort']}")
+  fig.tight_layout()
+  tmp = path + ".tmp.png"
+  fig.savefig(tmp)
+  plt.close(fig)
+  os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
