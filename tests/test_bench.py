@@ -43,4 +43,4 @@ def test_gen_ppl_is_the_ar_nll_of_the_completion_only():
 
 def test_bench_train_finds_the_default_config():
   c = bench_train.load_config(bench_train.default_config_path())
-  assert c.data.seq_len == 256
+  assert c.data.seq_len == 384 and c.objective == "mdlm"

@@ -176,6 +176,7 @@ def test_disconnect_frees_the_slot(server):
 def test_mesh_server_matches_one_device_and_sigterm_exits_cleanly(tiny_checkpoints, client):
   proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--mesh=data=2,tensor=2", devices=4)
   try:
+    assert httpx.get(base + "/v1/models").status_code == 200  # no --api-key: no Authorization needed
     mesh_client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     for seed in (0, 1):
       want = _chat(client, seed=seed, temperature=1.0).choices[0].message.content

@@ -44,14 +44,10 @@ def parse(argv):
   return a
 
 
-def _percentile(xs, q):
-  xs = sorted(xs)
-  return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
-
-
 def _summary(latencies, tokens, wall):
-  return {"requests": len(latencies), "p50_latency_s": _percentile(latencies, 50),
-          "p95_latency_s": _percentile(latencies, 95), "mean_latency_s": sum(latencies) / len(latencies),
+  import numpy as np
+  return {"requests": len(latencies), "p50_latency_s": float(np.percentile(latencies, 50)),
+          "p95_latency_s": float(np.percentile(latencies, 95)), "mean_latency_s": float(np.mean(latencies)),
           "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
 

@@ -140,6 +140,7 @@ class Engine:
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)
     self.max_queue = max_queue
     self._admit, self._step = slots_lib.compile_programs(loaded.spec, self.sc)
+    self._min_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
     with self._mesh_context():
       state = slots_lib.init_slots(loaded.spec, self.sc)
       if mesh is not None:
@@ -238,8 +239,9 @@ class Engine:
               return
           self._admit_waiting()
           self._drop_cancelled()
-          if any(h is not None for h in self._slots):
-            self._state = self._step(self.loaded.params, self._state)
+          busy = [i for i, h in enumerate(self._slots) if h is not None]
+          if busy:
+            self._state = self._step(self.loaded.params, self._state, rows=self._rows_for(busy[-1] + 1))
             self.stats["steps"] += 1
             self._publish()
     except BaseException as e:  # the engine is dead: fail every request loudly
@@ -251,6 +253,14 @@ class Engine:
       for h in handles:
         h._push(Event("done", "", "error"))
       raise
+
+  def _rows_for(self, n: int) -> int:
+    """The pass size for slots [0, n) busy: a power of two (few compiles), at
+    least the mesh's batch shards."""
+    rows = self._min_rows
+    while rows < n:
+      rows *= 2
+    return min(rows, self.num_slots)
 
   def _admit_waiting(self) -> None:
     while True:

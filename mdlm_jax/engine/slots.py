@@ -165,7 +165,30 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots) -> Slots:
                    passes=s.passes + s.active.astype(jnp.int32))
 
 
+def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
+  """fn(array, slot_axis, *matching arrays of `others`) over every slot-indexed
+  array of the state (the cache's keys/values have the slot axis at 1)."""
+  def one(get, axis):
+    return fn(get(s), axis, *(get(o) for o in others))
+
+  cache = s.cache.replace(**{name: one(lambda x, name=name: getattr(x.cache, name), 1 if name in ("k", "v") else 0)
+                             for name in ("k", "v", "valid", "length")})
+  rest = {f.name: one(lambda x, name=f.name: getattr(x, name), 0) for f in dataclasses.fields(s) if f.name != "cache"}
+  return s.replace(cache=cache, **rest)
+
+
+def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots) -> Slots:
+  """`step` over slots [0, rows) only: requests take the lowest free slots, so
+  a lightly loaded engine runs passes as small as its load."""
+  if rows == sc.num_slots:
+    return step(spec, sc, params, s)
+  head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s))
+  return _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
+
+
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
-  """(admit, step) jitted, with the slot state donated so it is updated in place."""
+  """(admit, step_first) jitted, with the slot state donated so it is updated
+  in place; step_first(params, state, rows=k) compiles once per k."""
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,)),
-          jax.jit(functools.partial(step, spec, sc), donate_argnums=(1,)))
+          jax.jit(lambda params, state, rows: step_first(spec, sc, rows, params, state), donate_argnums=(1,),
+                  static_argnames=("rows",)))

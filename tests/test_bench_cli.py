@@ -1,0 +1,38 @@
+"""The benchmark commands end to end on the tiny checkpoints (slow: run with -m slow)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _bench(*args, tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  r = subprocess.run([sys.executable, "-m", "mdlm_jax.bench", *args, "--json", f"--png={tmp_path / 'b.png'}"],
+                     capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+  assert r.returncode == 0, r.stderr
+  assert (tmp_path / "b.png").stat().st_size > 0
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_bench_serve(tiny_checkpoints, tmp_path):
+  out = _bench("serve", f"--checkpoint={tiny_checkpoints['mdlm']}", "--concurrency=1,4", "--requests-per-client=2",
+               "--max-tokens=16", "--prompt-tokens=16", "--slots=4", tmp_path=tmp_path)
+  assert set(out["levels"]) == {"1", "4"} and out["levels"]["4"]["requests"] == 8
+  assert out["throughput_gain"] > 0 and out["http_overhead_c1"] > -1
+  for level in out["levels"].values():
+    assert level["p50_latency_s"] <= level["p95_latency_s"]
+
+
+def test_bench_sample(tiny_checkpoints, tmp_path):
+  out = _bench("sample", f"--mdlm={tiny_checkpoints['mdlm']}", f"--ar={tiny_checkpoints['ar']}", "--skip-100m",
+               "--num-prompts=1", "--batch-sizes=1", "--efforts=medium", "--new-tokens=16", "--prompt-tokens=16",
+               tmp_path=tmp_path)
+  rows = out["batches"]["1"]
+  assert set(rows) == {"medium", "ar"} and rows["ar"]["tokens_per_forward"] <= 1.0
