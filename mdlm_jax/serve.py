@@ -98,7 +98,7 @@ def main(argv=None):
       # process as killed by it; a drained shutdown is a clean exit here.
       self._captured_signals.clear()
 
-  engine.start()
+  engine.warmup().start()
   config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                           timeout_graceful_shutdown=a.shutdown_timeout)
   server = Server(config)

@@ -79,7 +79,7 @@ def main(argv):
   bs = loaded.config.diffusion.get("block_size", 0) or 8
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
-                  max_queue=4 * max(a.concurrency) * a.requests_per_client).start()
+                  max_queue=4 * max(a.concurrency) * a.requests_per_client).warmup().start()
   app = create_app(engine, model_id="bench",
                    limits=Limits(max_tokens=max_new, max_prompt_tokens=2 * a.prompt_tokens + 16))
   port = _free_port()

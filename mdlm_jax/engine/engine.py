@@ -175,6 +175,18 @@ class Engine:
       self._thread.start()
     return self
 
+  def warmup(self) -> "Engine":
+    """Compiles the pass for every slot-count bucket now, so the first burst
+    of traffic does not wait for compilation. Call before start()."""
+    if self._thread is not None:
+      raise RuntimeError("warm up before start(): the engine thread owns the state once started")
+    with self._mesh_context():
+      sizes = sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)})
+      for rows in sizes:  # idle slots: the passes change nothing
+        self._state = self._step(self.loaded.params, self._state, rows=rows)
+      jax.block_until_ready(self._state)
+    return self
+
   def submit(self, request: Request, *, want_drafts: bool = False) -> Handle:
     self._check(request)
     h = Handle(request, want_drafts)
