@@ -295,8 +295,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           t_last, step_last = now, step
         if ckpt.should_save(step):
           save(step)
-        if config.train.eval_every and step % config.train.eval_every == 0:
-          run_eval(step)
+        if config.train.eval_every and step % config.train.eval_every == 0 and step < config.train.num_steps:
+          run_eval(step)  # the last step is evaluated once, below
       t_end = time.perf_counter()
       save(step)
       if stop.requested:
