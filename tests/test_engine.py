@@ -111,6 +111,7 @@ def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
     e.submit(_request(loaded, PROMPTS[0], max_tokens=8))
 
 
+@pytest.mark.slow
 def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
   sharded = builder.load(tiny_checkpoints["mdlm"], mesh=mesh)

@@ -86,18 +86,17 @@ def _logits(loaded, tokens):
   return np.asarray(model(tokens, t if model.cfg.time_conditioning else None))
 
 
-def test_export_cli_bfloat16_and_float32(tiny_checkpoints, tmp_path):
+def test_export_cli_bfloat16_and_float32(tiny_checkpoints, tmp_path, capsys):
+  from mdlm_jax import export
   src = builder.load(tiny_checkpoints["mdlm"])
-  r = _export(f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'bf16'}")
-  assert r.returncode == 0, r.stderr
-  assert "bfloat16" in r.stdout
+  export.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'bf16'}"])
+  assert "bfloat16" in capsys.readouterr().out
   bf = builder.load(str(tmp_path / "bf16"))
   assert bf.step == src.step and bf.tokenizer.to_bytes() == src.tokenizer.to_bytes()
   for k, want in params_only.flatten(src.params).items():  # exactly the bfloat16 rounding of the EMA
     got = params_only.flatten(bf.params)[k]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(ml_dtypes.bfloat16).astype(np.float32))
-  r = _export(f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'f32'}", "--dtype=float32")
-  assert r.returncode == 0, r.stderr
+  export.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'f32'}", "--dtype=float32"])
   f32 = builder.load(str(tmp_path / "f32"))
   tokens = jnp.asarray(np.random.default_rng().integers(0, src.tokenizer.vocab_size, (2, 16)))
   np.testing.assert_array_equal(_logits(f32, tokens), _logits(src, tokens))
@@ -106,12 +105,12 @@ def test_export_cli_bfloat16_and_float32(tiny_checkpoints, tmp_path):
 
 
 def test_export_errors(tiny_checkpoints, tmp_path):
+  from mdlm_jax import export
   out = tmp_path / "m"
-  assert _export(f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}").returncode == 0
+  export.main([f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}"])
   r = _export(f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}")
   assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr
-  r = _export(f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}", "--overwrite")
-  assert r.returncode == 0, r.stderr
+  export.main([f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}", "--overwrite"])
   r = _export(f"--checkpoint={tmp_path / 'nope'}", f"--out={tmp_path / 'x'}")
   assert r.returncode != 0 and "does not exist" in r.stderr and not (tmp_path / "x").exists()
   meta = json.load(open(out / "config.json"))

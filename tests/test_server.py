@@ -173,6 +173,7 @@ def test_disconnect_frees_the_slot(server):
   assert "mdlm_requests_total" in metrics and "mdlm_request_latency_seconds_bucket" in metrics
 
 
+@pytest.mark.slow
 def test_mesh_server_matches_one_device_and_sigterm_exits_cleanly(tiny_checkpoints, client):
   proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--mesh=data=2,tensor=2", devices=4)
   try:
@@ -202,3 +203,10 @@ def test_queue_full_is_429_and_shutdown_is_503(tiny_checkpoints):
   r = http.post("/v1/chat/completions", json=body)
   assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
   assert http.get("/health").status_code == 503
+
+
+def test_sigterm_drains_and_exits_zero(server):
+  """Runs last in this module: it stops the shared server."""
+  proc, base = server
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=60) == 0
