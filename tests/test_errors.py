@@ -108,6 +108,7 @@ def test_missing_checkpoint(tmp_path):
     checkpoint.resolve(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_eval_cli_json_and_data_flag(trained, tmp_path):
   import json
   data_file = tmp_path / "eval.jsonl"

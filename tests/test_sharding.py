@@ -66,6 +66,7 @@ def test_sharded_step_matches_single_device(layout):
   assert specs["head"] == jax.sharding.PartitionSpec("fsdp", None)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_full_batch():
   """The AR loss is deterministic, so 2 micro-batches must reproduce the
   full-batch loss and update exactly (up to float reassociation)."""

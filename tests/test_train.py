@@ -20,7 +20,7 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("objective", ["mdlm", "ar"])
+@pytest.mark.parametrize("objective", ["mdlm", pytest.param("ar", marks=pytest.mark.slow)])
 def test_loss_falls(tiny_config, tmp_path, objective):
   c = tiny_config
   c.objective = objective
@@ -100,6 +100,7 @@ def test_kill_and_resume_is_exact(tiny_tokenizer_path, tmp_path, how):
     assert loss == ref_train[s], s
 
 
+@pytest.mark.slow
 def test_resume_rejects_a_different_model(tiny_config, tmp_path):
   c = tiny_config
   c.train.update(num_steps=2, checkpoint_every=1, log_every=1)
