@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 LAUNCH = os.path.join(REPO, "launch", "local.py")
@@ -22,6 +24,7 @@ def test_dry_run_prints_each_process_command():
       for i in range(2)]
 
 
+@pytest.mark.slow
 def test_two_process_training_checkpoints_each_process(tmp_path, tiny_tokenizer_path):
   workdir = tmp_path / "mp"
   cmd = [sys.executable, LAUNCH, "--num-processes", "2", "--devices-per-process", "1", "--",

@@ -20,7 +20,8 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("objective", ["mdlm", pytest.param("ar", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("objective", [pytest.param("mdlm", marks=pytest.mark.slow),
+                                       pytest.param("ar", marks=pytest.mark.slow)])
 def test_loss_falls(tiny_config, tmp_path, objective):
   c = tiny_config
   c.objective = objective
