@@ -123,3 +123,17 @@ def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
     e.close(deadline_s=1)
   want = [h.result(timeout=120).text for h in [engine.submit(r) for r in reqs]]
   assert got == want
+
+
+def test_warmup_compiles_then_serves_the_same(loaded, engine):
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).warmup()
+  sizes = e._step._cache_size(), e._admit._cache_size()
+  e.start()
+  try:
+    req = _request(loaded, PROMPTS[1], max_tokens=16)
+    assert e.submit(req).result(timeout=120).text == engine.submit(req).result(timeout=120).text
+    assert (e._step._cache_size(), e._admit._cache_size()) == sizes == (3, 2)  # rows 1, 2, 4; prompts 16, 32
+  finally:
+    e.close(deadline_s=1)
+  with pytest.raises(RuntimeError, match="before start"):
+    e.warmup()

@@ -145,6 +145,8 @@ class Engine:
       state = slots_lib.init_slots(loaded.spec, self.sc)
       if mesh is not None:
         state = jax.tree.map(lambda x: jax.device_put(x, _row_sharding(mesh, x, num_slots)), state)
+      else:  # committed, like every later state: the programs compile once, not twice
+        state = jax.device_put(state, next(iter(jax.tree.leaves(loaded.params)[0].sharding.device_set)))
       self._state = state
     self._waiting: collections.deque[Handle] = collections.deque()
     self._slots: list[Handle | None] = [None] * num_slots
@@ -176,14 +178,20 @@ class Engine:
     return self
 
   def warmup(self) -> "Engine":
-    """Compiles the pass for every slot-count bucket now, so the first burst
-    of traffic does not wait for compilation. Call before start()."""
+    """Compiles the pass for every slot-count bucket and the prefill for every
+    prompt-length bucket now, so early requests do not wait for compilation.
+    Call before start()."""
     if self._thread is not None:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
-      sizes = sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)})
-      for rows in sizes:  # idle slots: the passes change nothing
-        self._state = self._step(self.loaded.params, self._state, rows=rows)
+      for bucket in sorted({_bucket(n, self.sc.max_prompt) for n in range(1, self.sc.max_prompt + 1)}):
+        self._state = self._admit(self.loaded.params, self._state, jnp.int32(0),
+                                  jnp.full((bucket,), self.tok.pad_id, jnp.int32), jnp.int32(1), jnp.int32(1),
+                                  jnp.float32(1.0), jnp.int32(1), jnp.float32(0.0), jnp.float32(1.0),
+                                  jnp.zeros((2,), jnp.uint32))
+      self._state = self._state.replace(active=self._state.active.at[0].set(False))
+      for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
+        self._state = self._step(self.loaded.params, self._state, rows=rows)  # idle slots: nothing changes
       jax.block_until_ready(self._state)
     return self
 
