@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import json
 import math
-import os
 import sys
 import time
+
+from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
 
 
 def parse(argv):
@@ -32,18 +32,13 @@ def parse(argv):
   p.add_argument("--num-prompts", type=int, default=8, help="validation prompts (batch 1 runs use each)")
   p.add_argument("--efforts", default="instant,low,medium,high")
   p.add_argument("--skip-100m", action="store_true", help="skip the 100M-parameter memory-bound shape")
-  p.add_argument("--json", action="store_true")
-  p.add_argument("--out", default=None, help="write the JSON here too")
-  p.add_argument("--png", default="bench_sample.png", help="speed-quality plot ('' to skip)")
+  add_output_flags(p, "bench_sample.png", "speed-quality plot")
   a = p.parse_args(argv)
   from mdlm_jax.sampling.presets import EFFORTS
-  try:
-    a.batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
-  except ValueError:
-    p.error(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}")
+  a.batch_sizes = positive_ints(p, "--batch-sizes", a.batch_sizes)
   a.efforts = a.efforts.split(",")
-  if min(a.batch_sizes) < 1 or a.num_prompts < 1 or a.new_tokens < 1 or a.prompt_tokens < 1:
-    p.error("--batch-sizes, --num-prompts, --new-tokens and --prompt-tokens must be positive")
+  if a.num_prompts < 1 or a.new_tokens < 1 or a.prompt_tokens < 1:
+    p.error("--num-prompts, --new-tokens and --prompt-tokens must be positive")
   unknown = [e for e in a.efforts if e not in EFFORTS]
   if unknown:
     p.error(f"unknown --efforts {unknown}; choose from {', '.join(EFFORTS)}")
@@ -224,10 +219,7 @@ def plot(result: dict, path: str):
     ax.set_title(f"batch {batch}")
     ax.grid(alpha=0.3)
   fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp)
-  plt.close(fig)
-  os.replace(tmp, path)
+  save_figure(fig, path)
 
 
 def main(argv):
@@ -266,11 +258,7 @@ def main(argv):
   if a.png:
     plot(result, a.png)
     result["png"] = a.png
-  text = json.dumps(result, indent=None if a.json else 2)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(json.dumps(result, indent=2) + "\n")
-  print(text)
+  emit(result, a)
 
 
 if __name__ == "__main__":

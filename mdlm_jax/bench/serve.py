@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import socket
 import sys
 import threading
 import time
+
+from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
+from mdlm_jax.sampling.presets import EFFORTS
 
 
 def parse(argv):
@@ -30,17 +32,12 @@ def parse(argv):
   p.add_argument("--requests-per-client", type=int, default=3)
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--prompt-tokens", type=int, default=64)
-  p.add_argument("--effort", default="medium")
-  p.add_argument("--json", action="store_true")
-  p.add_argument("--out", default=None, help="also write the JSON here")
-  p.add_argument("--png", default="bench_serve.png", help="latency/throughput plot ('' to skip)")
+  p.add_argument("--effort", default="medium", choices=EFFORTS)
+  add_output_flags(p, "bench_serve.png", "latency/throughput plot")
   a = p.parse_args(argv)
-  try:
-    a.concurrency = [int(x) for x in a.concurrency.split(",")]
-  except ValueError:
-    p.error(f"--concurrency must be comma-separated integers, got {a.concurrency!r}")
-  if min(a.concurrency) < 1 or a.requests_per_client < 1 or a.slots < 1:
-    p.error("--concurrency, --requests-per-client and --slots must be positive")
+  a.concurrency = positive_ints(p, "--concurrency", a.concurrency)
+  if a.requests_per_client < 1 or a.slots < 1:
+    p.error("--requests-per-client and --slots must be positive")
   return a
 
 
@@ -143,11 +140,7 @@ def main(argv):
   if a.png:
     plot(result, a.png)
     result["png"] = a.png
-  text = json.dumps(result, indent=None if a.json else 2)
-  if a.out:
-    with open(a.out, "w") as f:
-      f.write(json.dumps(result, indent=2) + "\n")
-  print(text)
+  emit(result, a)
 
 
 def plot(result: dict, path: str):
@@ -172,10 +165,7 @@ def plot(result: dict, path: str):
   fig.suptitle(f"serving {result['checkpoint'].rstrip('/').split('/')[-1]}: {result['slots']} slots,"
                f" {result['max_tokens']} tokens, effort {result['effort']}")
   fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp)
-  plt.close(fig)
-  os.replace(tmp, path)
+  save_figure(fig, path)
 
 
 if __name__ == "__main__":

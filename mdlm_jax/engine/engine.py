@@ -74,6 +74,7 @@ class Handle:
     # Engine bookkeeping.
     self.slot: int | None = None
     self.emitted = ""
+    self.blocks_seen = -1  # finished blocks at the last publish
 
   def add_listener(self, fn: Callable[[], None]) -> None:
     """`fn()` is called (from the engine thread) whenever an event arrives."""
@@ -330,6 +331,9 @@ class Engine:
     for row, h in enumerate(self._slots):
       if h is None:
         continue
+      if not h.want_drafts and active[row] and int(block[row]) == h.blocks_seen:
+        continue  # no block finished since the last pass: no new text, no end
+      h.blocks_seen = int(block[row])
       r = h.request
       ids = gen[row, :r.max_tokens]
       committed = ids[:min(int(block[row]) * bs, r.max_tokens)]
