@@ -81,6 +81,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.eval_every = 0  # 0: evaluate only at the end.
   t.eval_batches = 8
   t.peak_flops_per_device = 0.0  # for MFU; 0: spec sheet, or measured on CPU.
+  # A checkpoint or params-only folder whose weights start a fresh run (e.g. an
+  # AR model adapted to diffusion); same network shape and tokenizer required.
+  t.init_from = ""
 
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1  # -1: all devices not used by the other axes.

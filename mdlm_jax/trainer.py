@@ -17,8 +17,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from mdlm_jax import checkpoint, config as config_lib, data, distributed, evaluation, flops, objectives, sharding
-from mdlm_jax.builder import ModelSpec, bind, init_params, model_spec
+from mdlm_jax import builder, checkpoint, config as config_lib, data, distributed, evaluation, flops, objectives, sharding
+from mdlm_jax.builder import LoadedModel, ModelSpec, bind, init_params, model_spec
 from mdlm_jax.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
 from mdlm_jax.tokenizer import Tokenizer, train_tokenizer
@@ -114,11 +114,18 @@ class Stop:
       signal.signal(sig, old)
 
 
-def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None) -> Tokenizer:
-  """The checkpoint's tokenizer on resume, else the configured file, else one
-  trained on the training split. Trained once, on process 0, and broadcast."""
+def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None,
+                    init: LoadedModel | None = None) -> Tokenizer:
+  """The checkpoint's tokenizer on resume, else the configured file, else the
+  `train.init_from` model's, else one trained on the training split. Trained
+  once, on process 0, and broadcast."""
   if resumed_meta is not None:
     return Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(resumed_meta))
+  if init is not None:
+    if config.data.tokenizer and Tokenizer.from_file(config.data.tokenizer).to_bytes() != init.tokenizer.to_bytes():
+      raise config_lib.ConfigError(f"config.data.tokenizer={config.data.tokenizer} differs from the tokenizer of"
+                                   f" config.train.init_from={config.train.init_from}; leave data.tokenizer empty")
+    return init.tokenizer
   if config.data.tokenizer:
     if not os.path.isfile(config.data.tokenizer):
       raise FileNotFoundError(f"config.data.tokenizer: no such file {config.data.tokenizer}")
@@ -135,6 +142,35 @@ def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None)
                               config.data.tokenizer_max_chars).to_bytes()
       log(f"tokenizer trained in {time.time() - t0:.1f}s")
   return Tokenizer.from_bytes(distributed.broadcast_bytes(proto))
+
+
+def load_init(config, mesh) -> LoadedModel | None:
+  """The `train.init_from` model (EMA weights when it has them), or None."""
+  path = config.train.get("init_from", "")
+  if not path:
+    return None
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config.train.init_from: no such checkpoint {path}")
+  return builder.load(path, mesh)
+
+
+def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str):
+  """`init`'s parameters laid out as `spec`'s; the shapes must match exactly
+  (the causal flag and objective may differ: that is the point)."""
+  have = jax.tree_util.tree_flatten_with_path(init.params)[0]
+  want = jax.tree_util.tree_flatten_with_path(spec.abstract)[0]
+  have_shapes = {jax.tree_util.keystr(k): v.shape for k, v in have}
+  for k, v in want:
+    name = jax.tree_util.keystr(k)
+    if name not in have_shapes:
+      raise config_lib.ConfigError(f"config.train.init_from={path} has no parameter {name}")
+    if tuple(have_shapes[name]) != tuple(v.shape):
+      raise config_lib.ConfigError(f"config.train.init_from={path}: parameter {name} has shape"
+                                   f" {tuple(have_shapes[name])}, this model needs {tuple(v.shape)}")
+  if len(have) != len(want):
+    raise config_lib.ConfigError(f"config.train.init_from={path} has {len(have)} parameters, this model {len(want)}")
+  return jax.tree.map(lambda a, s, sh: jax.device_put(a.astype(s.dtype), sh), init.params, spec.abstract,
+                      spec.shardings)
 
 
 def check_batch_layout(config, mesh) -> None:
@@ -183,7 +219,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   train_docs = data.load_documents(config.data.corpus, "train", config.data.validation_fraction,
                                    config.data.text_field)
-  tokenizer = setup_tokenizer(config, workdir, train_docs, resumed_meta)
+  init = load_init(config, mesh) if resumed_meta is None else None
+  tokenizer = setup_tokenizer(config, workdir, train_docs, resumed_meta, init)
   cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
   if config.model.vocab_size not in (-1, tokenizer.vocab_size):
     raise config_lib.ConfigError(f"config.model.vocab_size={config.model.vocab_size} but the tokenizer has"
@@ -199,7 +236,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                 seed=config.data.shuffle_seed, process_index=jax.process_index(),
                                 process_count=jax.process_count())
   with jax.set_mesh(mesh):
-    params = init_params(spec, config.seed)
+    params = init_params(spec, config.seed) if init is None else init_from_weights(init, spec, config.train.init_from)
+    if init is not None:
+      log(f"initialised from {config.train.init_from} (step {init.step})")
+      del init
     weights = {"params": params}
     if use_ema:
       weights["ema"] = jax.tree.map(jnp.copy, params)

@@ -110,3 +110,28 @@ def test_resume_rejects_a_different_model(tiny_config, tmp_path):
   c.train.num_steps = 4
   with pytest.raises(checkpoint.CheckpointError, match="model.embed_dim"):
     trainer.train(c, str(tmp_path))
+
+
+def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_path):
+  """train.init_from: the AR twin's weights (EMA) become step 0 of an MDLM run,
+  with its tokenizer; a different network shape is refused by parameter name."""
+  from conftest import load_config
+  src = builder.load(tiny_checkpoints["ar"])
+  c = load_config("tiny")
+  c.train.update(num_steps=1, checkpoint_every=1, log_every=1, eval_batches=1,
+                 init_from=tiny_checkpoints["ar"])
+  c.optim.update(learning_rate=1e-9, warmup_steps=0, ema_decay=0.0)
+  trainer.train(c, str(tmp_path / "adapted"))
+  got = builder.load(str(tmp_path / "adapted"))
+  assert got.tokenizer.to_bytes() == src.tokenizer.to_bytes()
+  assert not got.spec.cfg.causal and src.spec.cfg.causal
+  for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(src.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  assert any(np.abs(np.asarray(b)).max() > 1e-3 for b in jax.tree.leaves(src.params))
+
+  c.model.mlp_dim = c.model.mlp_dim * 2
+  with pytest.raises(Exception, match="has shape"):
+    trainer.train(c, str(tmp_path / "wider"))
+  c.train.init_from = str(tmp_path / "missing")
+  with pytest.raises(FileNotFoundError, match="init_from"):
+    trainer.train(c, str(tmp_path / "nothing"))
