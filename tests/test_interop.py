@@ -265,3 +265,12 @@ def test_logits_match_transformers(fmt, tok, tmp_path):
   theirs = _torch_logits(fmt, out, tokens)
   assert ours.shape == theirs.shape
   np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_num_kv_heads_must_divide_num_heads():
+  from mdlm_jax import config as config_lib
+  c = load_config("tiny")
+  c.model.num_kv_heads = 3
+  with pytest.raises(config_lib.ConfigError, match="model.num_kv_heads: must be -1 or a positive divisor of"
+                                                   " model.num_heads=4, got 3"):
+    config_lib.validate(c)
