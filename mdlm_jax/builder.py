@@ -64,8 +64,9 @@ class LoadedModel:
 
 
 def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
-  """Loads a training checkpoint (EMA weights when present) or a params-only
-  folder (`params_only`) for inference.
+  """Loads a training checkpoint (EMA weights when present), a params-only
+  folder (`params_only`) or a LLaDA/Dream-layout folder with a sentencepiece
+  tokenizer.model (`interop`) for inference.
 
   The checkpoint may come from any mesh; it is resharded onto `mesh` (by
   default one device)."""
@@ -73,6 +74,10 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   if params_only.is_params_dir(path):
     return _load_params_only(path, mesh)
+  from mdlm_jax import interop
+  if interop.hf_format(path) is not None:
+    config, tokenizer, named, step = interop.read(path)
+    return _place(path, config, tokenizer, named, step, mesh)
   meta, root, step = checkpoint.read_meta(path)
   config = checkpoint.meta_config(meta)
   tokenizer = Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(meta))
@@ -89,9 +94,14 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
 def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
   meta, tok_bytes, named = params_only.read(path)
   config = ml_collections.ConfigDict(meta["config"])
-  tokenizer = Tokenizer.from_bytes(tok_bytes)
+  return _place(path, config, Tokenizer.from_bytes(tok_bytes), named, int(meta.get("step", 0)), mesh)
+
+
+def _place(path: str, config: ml_collections.ConfigDict, tokenizer: Tokenizer, named, step: int,
+           mesh: Mesh) -> LoadedModel:
+  """Named host arrays -> params sharded onto `mesh`, checked against the config's shapes."""
   cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
   spec = model_spec(cfg, mesh)
   host = params_only.unflatten_like(spec.abstract, named, path)
   params = jax.tree.map(lambda a, s: jax.device_put(a, s), host, spec.shardings)
-  return LoadedModel(spec, params, tokenizer, config, int(meta.get("step", 0)), False)
+  return LoadedModel(spec, params, tokenizer, config, step, False)

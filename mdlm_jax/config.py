@@ -30,6 +30,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.embed_dim = 384
   m.num_heads = 6
   m.head_dim = -1  # -1: embed_dim // num_heads.
+  m.num_kv_heads = -1  # -1: num_heads; fewer: grouped-query attention (the KV cache shrinks with it).
+  m.qkv_bias = False  # biases on the q/k/v projections (Qwen2/Dream have them).
   m.mlp_dim = 1024
   m.mlp = "swiglu"
   m.causal = False
@@ -130,6 +132,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"{m.embed_dim} is not divisible by model.num_heads={m.num_heads}")
   else:
     _check(m.head_dim > 0, "model.head_dim", f"must be -1 or positive, got {m.head_dim}")
+  kvh = m.get("num_kv_heads", -1)
+  _check(kvh == -1 or (isinstance(kvh, int) and kvh > 0 and m.num_heads % kvh == 0), "model.num_kv_heads",
+         f"must be -1 or a positive divisor of model.num_heads={m.num_heads}, got {kvh!r}")
   hd = m.head_dim if m.head_dim != -1 else m.embed_dim // m.num_heads
   _check(hd % 2 == 0, "model.head_dim", f"RoPE needs an even head dim, got {hd}")
   _check(m.mlp in MLPS, "model.mlp", f"must be one of {MLPS}, got {m.mlp!r}")

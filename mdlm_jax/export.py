@@ -1,8 +1,13 @@
-"""python -m mdlm_jax.export --checkpoint=DIR --out=DIR [--dtype bfloat16]
+"""python -m mdlm_jax.export --checkpoint=DIR --out=DIR [--format native|llada|dream] [--dtype bfloat16]
 
-Writes a training checkpoint's inference weights (the EMA when the run kept
-one) as a params-only folder: config.json, tokenizer.model and
-model.safetensors. Every command that takes --checkpoint reads the result.
+Writes a checkpoint's inference weights (the EMA when the run kept one) as
+params-only safetensors: our own layout (native: config.json, tokenizer.model,
+model.safetensors) or the Hugging Face layout of LLaDA or Dream (mdlm_jax/
+interop.py has the name table). With --import it goes the other way: a
+LLaDA/Dream-layout folder becomes a native one. Every command that takes
+--checkpoint reads all three layouts.
+
+  python -m mdlm_jax.export --import --checkpoint=HF_DIR --out=DIR [--tokenizer=tok.model]
 """
 
 from __future__ import annotations
@@ -13,18 +18,68 @@ import sys
 
 from mdlm_jax import cli
 
+FORMATS = ("native", "params", "llada", "dream")  # params: the old name of native
+
 
 def parse(argv):
   from mdlm_jax.params_only import DTYPES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.export", description=__doc__.split("\n\n")[1])
-  p.add_argument("--checkpoint", required=True, help="training workdir, checkpoints/ folder or step folder")
+  p.add_argument("--checkpoint", required=True,
+                 help="training workdir, checkpoints/ folder, step folder or exported folder;"
+                      " with --import, a LLaDA/Dream-layout folder")
   p.add_argument("--out", required=True, help="folder to write (must not exist unless --overwrite)")
-  p.add_argument("--format", default="params", choices=("params",),
-                 help="params: this package's params-only folder (safetensors + config.json)")
+  p.add_argument("--format", default="native", choices=FORMATS,
+                 help="native (alias params): this package's params-only folder; llada, dream: the Hugging"
+                      " Face layout of LLaDA or Dream (Qwen2 names); with --import, the layout of --checkpoint"
+                      " (read from its config.json when left out)")
+  p.add_argument("--import", dest="import_", action="store_true",
+                 help="convert a LLaDA/Dream-layout --checkpoint into a native params-only --out")
+  p.add_argument("--tokenizer", default="",
+                 help="with --import: the sentencepiece .model to use (default: --checkpoint/tokenizer.model)")
   p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="stored weight dtype")
+  p.add_argument("--max-shard-size", default="5GB",
+                 help="split the weights into model-0000i-of-0000n.safetensors shards past this size")
   p.add_argument("--no-ema", action="store_true", help="export the raw params, not the EMA")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
   return p.parse_args(argv)
+
+
+def _import(a, max_shard: int) -> tuple[str, int]:
+  from mdlm_jax import builder, interop, params_only
+  from mdlm_jax.model import ModelConfig
+  fmt = interop.hf_format(a.checkpoint)
+  if fmt is None:
+    if not os.path.isdir(a.checkpoint):
+      raise FileNotFoundError(f"--checkpoint {a.checkpoint} does not exist")
+    raise ValueError(f"--checkpoint {a.checkpoint}: config.json does not name a llada or Dream model_type")
+  if a.format not in ("native", "params") and a.format != fmt:
+    raise ValueError(f"--format={a.format} but {a.checkpoint} holds a {fmt} checkpoint")
+  config, tok, named, step = interop.read(a.checkpoint, a.tokenizer or None)
+  spec = builder.model_spec(ModelConfig.from_config(config.model, vocab_size=tok.vocab_size), None)
+  params = params_only.unflatten_like(spec.abstract, named, a.checkpoint)
+  out = params_only.save(a.out, params, config, tok.to_bytes(), step=step, dtype=a.dtype, overwrite=a.overwrite,
+                         max_shard_bytes=max_shard, extra={"weights": f"imported from {fmt}",
+                                                           "objective": config.objective})
+  return out, step
+
+
+def _export(a, max_shard: int) -> tuple[str, int]:
+  from mdlm_jax import builder, interop, params_only
+  native = a.format in ("native", "params")
+  if native and params_only.is_params_dir(a.checkpoint):
+    raise ValueError(f"{a.checkpoint} is already a params-only folder")
+  if a.tokenizer:
+    raise ValueError("--tokenizer is for --import only")
+  loaded = builder.load(a.checkpoint, use_ema=not a.no_ema)
+  if not native:
+    out = interop.save(a.out, a.format, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
+                       dtype=a.dtype, max_shard_bytes=max_shard, overwrite=a.overwrite)
+    return out, loaded.step
+  out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer.to_bytes(), step=loaded.step,
+                         dtype=a.dtype, overwrite=a.overwrite, max_shard_bytes=max_shard,
+                         extra={"weights": "ema" if loaded.has_ema and not a.no_ema else "params",
+                                "objective": loaded.config.objective})
+  return out, loaded.step
 
 
 def main(argv=None):
@@ -33,18 +88,17 @@ def main(argv=None):
   logging.set_verbosity(logging.ERROR)
   cli.drop_closed_loop_noise()
   try:
-    from mdlm_jax import builder, params_only
-    if params_only.is_params_dir(a.checkpoint):
-      raise ValueError(f"{a.checkpoint} is already a params-only folder")
-    loaded = builder.load(a.checkpoint, use_ema=not a.no_ema)
-    out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer.to_bytes(), step=loaded.step,
-                           dtype=a.dtype, overwrite=a.overwrite,
-                           extra={"weights": "ema" if loaded.has_ema and not a.no_ema else "params",
-                                  "objective": loaded.config.objective})
+    from mdlm_jax import safetensors
+    try:
+      max_shard = safetensors.parse_size(a.max_shard_size)
+    except ValueError as e:
+      raise ValueError(f"--max-shard-size: {e}") from None
+    out, step = _import(a, max_shard) if a.import_ else _export(a, max_shard)
   except (*cli.USER_ERRORS, FileExistsError) as e:
     cli.fail("export", e)
   size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-  print(f"wrote {out}: step {loaded.step}, {a.dtype}, {size / 2**20:.1f} MiB")
+  layout = "native" if a.import_ or a.format == "params" else a.format
+  print(f"wrote {out}: {layout}, step {step}, {a.dtype}, {size / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ KNOWN_PEAKS = {
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   """Matmul FLOPs of one forward pass per token (attention scores included)."""
   d, h, hd, m = cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, cfg.mlp_dim
+  g = cfg.resolved_kv_heads
   n_mlp = 3 if cfg.mlp == "swiglu" else 2
-  per_layer = 2 * (4 * d * h * hd + n_mlp * d * m) + 2 * 2 * seq_len * h * hd
+  per_layer = 2 * ((2 * h + 2 * g) * d * hd + n_mlp * d * m) + 2 * 2 * seq_len * h * hd
   return cfg.num_layers * per_layer + 2 * d * cfg.vocab_size
 
 

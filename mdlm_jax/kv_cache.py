@@ -21,8 +21,8 @@ from mdlm_jax.sharding import constrain
 if TYPE_CHECKING:
   from mdlm_jax.model import ModelConfig
 
-STACKED_AXES = (None, "batch", "length", "act_heads", None)
-LAYER_AXES = ("batch", "length", "act_heads", None)
+STACKED_AXES = (None, "batch", "length", "act_kv_heads", None)
+LAYER_AXES = ("batch", "length", "act_kv_heads", None)
 
 
 @struct.dataclass
@@ -37,14 +37,14 @@ class KVCache:
   stored after RoPE, so a slot's position is baked in when written.
   """
 
-  k: Float[Array, "n b s h d"]
-  v: Float[Array, "n b s h d"]
+  k: Float[Array, "n b s g d"]  # g: kv heads (fewer than query heads under GQA)
+  v: Float[Array, "n b s g d"]
   valid: Bool[Array, "b s"]
   length: Int[Array, ""] | Int[Array, "b"]
 
   @classmethod
   def init(cls, cfg: "ModelConfig", batch: int, max_len: int, *, per_row: bool = False) -> "KVCache":
-    shape = (cfg.num_layers, batch, max_len, cfg.num_heads, cfg.resolved_head_dim)
+    shape = (cfg.num_layers, batch, max_len, cfg.resolved_kv_heads, cfg.resolved_head_dim)
     dt = compute_dtype(cfg.dtype)
     return cls(k=constrain(jnp.zeros(shape, dt), STACKED_AXES), v=constrain(jnp.zeros(shape, dt), STACKED_AXES),
                valid=constrain(jnp.zeros((batch, max_len), jnp.bool_), ("batch", "length")),
@@ -96,7 +96,7 @@ class KVCache:
     mask = jnp.logical_and(valid[:, None, None, :], visible[:, None])
     return valid, mask
 
-  def write(self, layer: int, k: Float[Array, "b t h d"], v: Float[Array, "b t h d"]) -> "KVCache":
+  def write(self, layer: int, k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]) -> "KVCache":
     """Writes one layer's new keys/values at [length, length + t); `length` is not advanced.
 
     The caller must leave room: `dynamic_update_slice` clamps an offset that
@@ -110,7 +110,7 @@ class KVCache:
       nv = self.v.at[layer].set(self._at_length(self.v[layer], v.astype(self.v.dtype), 1))
     return self.replace(k=constrain(nk, STACKED_AXES), v=constrain(nv, STACKED_AXES))
 
-  def layer(self, layer: int) -> tuple[Float[Array, "b s h d"], Float[Array, "b s h d"]]:
+  def layer(self, layer: int) -> tuple[Float[Array, "b s g d"], Float[Array, "b s g d"]]:
     return constrain(self.k[layer], LAYER_AXES), constrain(self.v[layer], LAYER_AXES)
 
   def kept_valid(self, valid: Bool[Array, "b s"], keep) -> Bool[Array, "b s"]:

@@ -57,19 +57,40 @@ def rope(x: Float[Array, "b l h d"], positions: Int[Array, "b l"], theta: float)
 
 
 class Attention(nnx.Module):
+  """Self-attention with RoPE; `num_kv_heads` < `num_heads` is grouped-query
+  attention (query heads [j * r, (j + 1) * r) share kv head j, as in Llama)."""
+
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
-               attention_impl: str, dtype, rngs: nnx.Rngs):
-    self.num_heads, self.head_dim = num_heads, head_dim
+               attention_impl: str, dtype, rngs: nnx.Rngs, num_kv_heads: int | None = None,
+               qkv_bias: bool = False):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta, self.attention_impl, self.dtype = rope_theta, attention_impl, dtype
     init = fan_in_init(embed_dim)
     self.wq = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
-    self.wk = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
-    self.wv = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
+    self.wk = param(rngs, init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
+    self.wv = param(rngs, init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
     self.wo = param(rngs, fan_in_init(num_heads * head_dim), (num_heads, head_dim, embed_dim),
                     ("heads", "kv", "embed"))
+    if qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = param(rngs, zeros, (num_heads, head_dim), ("heads", "kv"))
+      self.bk = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "kv"))
+      self.bv = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "kv"))
+    else:
+      self.bq = self.bk = self.bv = None
 
   def __call__(self, x, positions, *, causal: bool, mask=None):
     return self.forward(x, positions, causal=causal, mask=mask)[0]
+
+  def _project(self, x2, w, b, shape):
+    """[tokens, d] @ [d, heads, k] (+ bias), reshaped to [b, l, heads, k]."""
+    w = w[...]
+    heads, k = w.shape[1:]
+    y = dense(x2, w.reshape(-1, heads * k), self.dtype)
+    if b is not None:
+      y = y + b[...].reshape(heads * k).astype(y.dtype)
+    return y.reshape(*shape, heads, k)
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
               mask: Bool[Array, "b #h l s"] | None = None, cache: KVCache | None = None,
@@ -81,12 +102,12 @@ class Attention(nnx.Module):
     b, l, d = x.shape
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
-    q = dense(x2, self.wq[...].reshape(d, h * k), dt).reshape(b, l, h, k)
-    k_ = dense(x2, self.wk[...].reshape(d, h * k), dt).reshape(b, l, h, k)
-    v = dense(x2, self.wv[...].reshape(d, h * k), dt).reshape(b, l, h, k)
+    q = self._project(x2, self.wq, self.bq, (b, l))
+    k_ = self._project(x2, self.wk, self.bk, (b, l))
+    v = self._project(x2, self.wv, self.bv, (b, l))
     q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "act_heads", None))
-    k_ = constrain(rope(k_, positions, self.rope_theta), ("batch", "length", "act_heads", None))
-    v = constrain(v, ("batch", "length", "act_heads", None))
+    k_ = constrain(rope(k_, positions, self.rope_theta), ("batch", "length", "act_kv_heads", None))
+    v = constrain(v, ("batch", "length", "act_kv_heads", None))
     if cache is not None:
       cache = cache.write(layer, k_, v)
       k_, v = cache.layer(layer)

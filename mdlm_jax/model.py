@@ -28,6 +28,8 @@ class ModelConfig:
   num_heads: int
   mlp_dim: int
   head_dim: int = -1
+  num_kv_heads: int = -1
+  qkv_bias: bool = False
   mlp: str = "swiglu"
   causal: bool = False
   time_conditioning: bool = False
@@ -42,6 +44,10 @@ class ModelConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim != -1 else self.embed_dim // self.num_heads
+
+  @property
+  def resolved_kv_heads(self) -> int:
+    return self.num_kv_heads if self.num_kv_heads != -1 else self.num_heads
 
   @classmethod
   def from_config(cls, m: ml_collections.ConfigDict, vocab_size: int | None = None) -> "ModelConfig":
@@ -58,8 +64,9 @@ class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dt = compute_dtype(cfg.dtype)
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
-    self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, rope_theta=cfg.rope_theta,
-                          attention_impl=cfg.attention, dtype=dt, rngs=rngs)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, num_kv_heads=cfg.resolved_kv_heads,
+                          qkv_bias=cfg.qkv_bias, rope_theta=cfg.rope_theta, attention_impl=cfg.attention, dtype=dt,
+                          rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs)
     self.modulation = Modulation(cfg.cond_dim, cfg.embed_dim, 6, rngs=rngs) if cfg.time_conditioning else None

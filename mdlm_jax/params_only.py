@@ -1,9 +1,11 @@
 """Params-only checkpoints: what inference needs and nothing else.
 
-A folder with three files, each readable without this package:
+A folder with three kinds of file, each readable without this package:
   config.json        {"format", "version", "step", "dtype", "config", ...}
   tokenizer.model    the sentencepiece model proto
-  model.safetensors  one tensor per parameter, named by its path ("blocks.0.attn.wq")
+  model.safetensors  one tensor per parameter, named by its path ("blocks.0.attn.wq"),
+                     or, past --max-shard-size, model-0000i-of-0000n.safetensors shards
+                     with a model.safetensors.index.json (the Hugging Face layout)
 Training checkpoints carry optimizer state and float32 weights (about 4x the
 bytes); this is the shape the packaged default models ship in. The folder is
 written under a temporary name and renamed into place, so a reader never sees
@@ -12,11 +14,12 @@ half of one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import ml_collections
@@ -26,7 +29,8 @@ from mdlm_jax import safetensors
 
 FORMAT = "mdlm_jax.params"
 VERSION = 1
-FILES = ("config.json", "tokenizer.model", "model.safetensors")
+FILES = ("config.json", "tokenizer.model")  # plus the weights: one safetensors file or an index of shards
+DEFAULT_MAX_SHARD = 5 * 10**9
 DTYPES = ("float32", "bfloat16")
 
 
@@ -35,8 +39,41 @@ class ParamsFileError(ValueError):
 
 
 def is_params_dir(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(
-      os.path.join(path, "model.safetensors"))
+  """A folder with config.json and safetensors weights that is not a Hugging Face
+  (LLaDA/Dream) export, whose config.json names a model_type instead."""
+  if not (os.path.isfile(os.path.join(path, "config.json")) and safetensors.has_weights(path)):
+    return False
+  try:
+    with open(os.path.join(path, "config.json")) as f:
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return True  # `read` says what is wrong with it
+  return not (isinstance(meta, dict) and "model_type" in meta)
+
+
+@contextlib.contextmanager
+def atomic_folder(out: str, overwrite: bool) -> Iterator[str]:
+  """Yields a temporary folder beside `out` to fill; on success it replaces `out`
+  in one rename, on any error it is removed, so a reader never sees half a folder."""
+  out = os.path.abspath(out)
+  if os.path.exists(out) and not overwrite:
+    raise FileExistsError(f"{out} already exists (pass overwrite to replace it)")
+  parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(out)}-")
+  try:
+    yield tmp
+    os.chmod(tmp, 0o777 & ~safetensors.current_umask())  # mkdtemp makes it 0700
+    if os.path.exists(out):
+      trash = tempfile.mkdtemp(dir=parent, prefix=f".old-{os.path.basename(out)}-")
+      os.replace(out, os.path.join(trash, "old"))
+      os.replace(tmp, out)
+      shutil.rmtree(trash)
+    else:
+      os.replace(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
 
 
 def _name(path) -> str:
@@ -69,20 +106,15 @@ def unflatten_like(abstract: Any, named: dict[str, np.ndarray], source: str) -> 
 
 
 def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer_bytes: bytes, *, step: int,
-         dtype: str = "bfloat16", extra: dict | None = None, overwrite: bool = False) -> str:
+         dtype: str = "bfloat16", extra: dict | None = None, overwrite: bool = False,
+         max_shard_bytes: int = DEFAULT_MAX_SHARD) -> str:
   """Writes the folder `out` atomically; returns its path."""
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-  out = os.path.abspath(out)
-  if os.path.exists(out) and not overwrite:
-    raise FileExistsError(f"{out} already exists (pass overwrite to replace it)")
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
   tensors = {k: np.asarray(jax.device_get(v)).astype(np_dtype) for k, v in flatten(params).items()}
-  parent = os.path.dirname(out)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(out)}-")
-  try:
-    safetensors.save(os.path.join(tmp, "model.safetensors"), tensors, {"format": FORMAT})
+  with atomic_folder(out, overwrite) as tmp:
+    safetensors.save_folder(tmp, tensors, max_shard_bytes=max_shard_bytes, metadata={"format": FORMAT})
     with open(os.path.join(tmp, "tokenizer.model"), "wb") as f:
       f.write(tokenizer_bytes)
     meta = {"format": FORMAT, "version": VERSION, "step": int(step), "dtype": dtype,
@@ -90,18 +122,7 @@ def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer_byt
             "config": json.loads(config.to_json_best_effort()), **(extra or {})}
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(meta, f, indent=1, sort_keys=True)
-    os.chmod(tmp, 0o777 & ~safetensors.current_umask())  # mkdtemp makes it 0700
-    if os.path.exists(out):
-      trash = tempfile.mkdtemp(dir=parent, prefix=f".old-{os.path.basename(out)}-")
-      os.replace(out, os.path.join(trash, "old"))
-      os.replace(tmp, out)
-      shutil.rmtree(trash)
-    else:
-      os.replace(tmp, out)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return out
+  return os.path.abspath(out)
 
 
 def read(path: str) -> tuple[dict, bytes, dict[str, np.ndarray]]:
@@ -121,5 +142,7 @@ def read(path: str) -> tuple[dict, bytes, dict[str, np.ndarray]]:
                           f" ({VERSION}); upgrade mdlm_jax")
   with open(os.path.join(path, "tokenizer.model"), "rb") as f:
     tok = f.read()
-  tensors, _ = safetensors.load(os.path.join(path, "model.safetensors"))
+  if not safetensors.has_weights(path):
+    raise ParamsFileError(f"{path}: params-only checkpoint lacks model.safetensors")
+  tensors, _ = safetensors.load_folder(path)
   return meta, tok, {k: v.astype(np.float32) for k, v in tensors.items()}

@@ -109,3 +109,86 @@ def load(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     a = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape)
     tensors[name] = a.byteswap() if _BIG_ENDIAN_HOST else a.copy()
   return tensors, metadata
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def parse_size(text: str | int) -> int:
+  """Bytes from an int or a string such as "5GB", "500MB", "64KiB" (decimal and binary units)."""
+  if isinstance(text, int):
+    return text
+  units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+  s = str(text).strip().upper()
+  num = s.rstrip("KMGTIB")
+  try:
+    value = float(num) * units[s[len(num):]]
+  except (KeyError, ValueError):
+    raise ValueError(f"size {text!r} is not a number of bytes such as 5GB, 500MB or 1048576") from None
+  if value < 1:
+    raise ValueError(f"size {text!r} must be at least one byte")
+  return int(value)
+
+
+def save_folder(folder: str, tensors: Mapping[str, np.ndarray], *, max_shard_bytes: int,
+                metadata: Mapping[str, str] | None = None) -> list[str]:
+  """Writes `model.safetensors`, or, past `max_shard_bytes`, the Hugging Face sharded
+  layout (model-0000i-of-0000n.safetensors + model.safetensors.index.json) that
+  `load_folder` and transformers both read. Tensors keep their order; a tensor larger
+  than the limit gets a shard of its own. Returns the files written."""
+  shards: list[list[str]] = [[]]
+  size = 0
+  for name in tensors:
+    nbytes = np.asarray(tensors[name]).nbytes
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(name)
+    size += nbytes
+  if len(shards) == 1:
+    save(os.path.join(folder, SINGLE_FILE), tensors, metadata)
+    return [SINGLE_FILE]
+  n = len(shards)
+  files, weight_map = [], {}
+  for i, names in enumerate(shards):
+    fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    save(os.path.join(folder, fname), {k: tensors[k] for k in names}, metadata)
+    files.append(fname)
+    weight_map.update({k: fname for k in names})
+  index = {"metadata": {"total_size": int(sum(np.asarray(a).nbytes for a in tensors.values()))},
+           "weight_map": weight_map}
+  with open(os.path.join(folder, INDEX_FILE), "w") as f:
+    json.dump(index, f, indent=1)
+  return files + [INDEX_FILE]
+
+
+def has_weights(folder: str) -> bool:
+  return any(os.path.isfile(os.path.join(folder, f)) for f in (SINGLE_FILE, INDEX_FILE))
+
+
+def load_folder(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """Reads what `save_folder` (or transformers' save_pretrained) wrote: one file or an index of shards."""
+  index_path = os.path.join(folder, INDEX_FILE)
+  if not os.path.isfile(index_path):
+    path = os.path.join(folder, SINGLE_FILE)
+    if not os.path.isfile(path):
+      raise SafetensorsError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+    return load(path)
+  try:
+    with open(index_path) as f:
+      weight_map = json.load(f)["weight_map"]
+    files = sorted(set(weight_map.values()))
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise SafetensorsError(f"{index_path}: not a safetensors index ({e!r})") from e
+  tensors, metadata = {}, {}
+  for fname in files:
+    if os.path.basename(fname) != fname or not os.path.isfile(os.path.join(folder, fname)):
+      raise SafetensorsError(f"{index_path} names shard {fname!r}, which is not in {folder}")
+    part, metadata = load(os.path.join(folder, fname))
+    tensors.update(part)
+  missing = sorted(k for k in weight_map if k not in tensors)
+  if missing:
+    raise SafetensorsError(f"{index_path} lists tensors its shards lack: {missing[:3]}")
+  return tensors, metadata

@@ -26,12 +26,14 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # GQA key/value heads; dropped where they do not divide the tensor axis
     ("kv", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("cond", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
