@@ -14,6 +14,7 @@ import ml_collections
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from mdlm_jax.kernels import AttentionMask
 from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.layers import MLP, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
 from mdlm_jax.precision import LOGITS_DTYPE, compute_dtype
@@ -68,7 +69,7 @@ class Block(nnx.Module):
     return self.forward(x, positions, cond, causal=causal, mask=mask)[0]
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], cond: Float[Array, "b c"] | None, *,
-              causal: bool, mask: Bool[Array, "b #h l s"] | None = None, cache: KVCache | None = None,
+              causal: bool, mask: Bool[Array, "b #h l s"] | AttentionMask | None = None, cache: KVCache | None = None,
               layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
     """One pre-norm block; with `cache`, attention reads and extends layer `layer` of it."""
     if self.modulation is None:
@@ -157,7 +158,7 @@ class Transformer(nnx.Module):
     b, n = tokens.shape
     if valid_new is None:
       valid_new = jnp.ones((b, n), jnp.bool_)
-    valid, mask = cache.attention_mask(valid_new, causal=self.cfg.causal, new_block=new_block)
+    valid, mask = cache.attention_spec(valid_new, causal=self.cfg.causal, new_block=new_block)
     # The cache layout is not "queries are the last keys": causality lives in the mask.
     x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
     if new_block > 0:

@@ -26,6 +26,7 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
+from mdlm_jax import kernels
 from mdlm_jax.diffusion import NEG_INF, Schedule
 from mdlm_jax.sampling.gumbel import column_words, gumbel_argmax
 
@@ -217,15 +218,19 @@ class _ConfidenceBase:
 
 
 
-def block_causal_mask(valid, lay: Layout, block_size: int):
-  """[B, 1, L, L]: column c is visible from row r iff block(c) <= block(r),
-  the prompt being block -1 and columns after the generation region unseen."""
-  L = valid.shape[1]
-  cols = jnp.arange(L)
-  blk = jnp.where(cols < lay.gen_start, -1, (cols - lay.gen_start) // max(block_size, 1))
-  blk = jnp.where(cols >= lay.gen_start + lay.gen_len, jnp.iinfo(jnp.int32).max, blk)
-  allowed = blk[None, :] <= blk[:, None]
-  return (allowed[None] & valid[:, None, :])[:, None]
+def block_causal_mask(valid, lay: Layout, block_size: int) -> kernels.AttentionMask:
+  """Column c is visible from row r iff block(c) <= block(r) and c is valid,
+  the prompt being block -1 and columns after the generation region unseen.
+
+  Blocks grow left to right, so each row sees a prefix of the columns: a
+  structural "prefix" mask (materialise with `.dense(L, L)`)."""
+  B, L = valid.shape
+  rows = jnp.arange(L, dtype=jnp.int32)
+  gen_end = lay.gen_start + lay.gen_len
+  bs = max(block_size, 1)
+  in_gen = jnp.minimum(lay.gen_start + ((rows - lay.gen_start) // bs + 1) * bs, gen_end)
+  q_end = jnp.where(rows < lay.gen_start, lay.gen_start, jnp.where(rows < gen_end, in_gen, L))
+  return kernels.AttentionMask(kind="prefix", q_end=jnp.broadcast_to(q_end, (B, L)), kv_valid=valid)
 
 
 @dataclasses.dataclass(frozen=True)
