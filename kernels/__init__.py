@@ -9,18 +9,26 @@ Implementations:
   (Mosaic); the reference elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
   interpreter on any backend: how tests run the kernels on CPU.
+The confidence head also takes "triton": the jax-triton kernel on a CUDA
+backend (the `gpu` extra), the reference elsewhere.
 """
 
 from __future__ import annotations
 
 import jax
+from flax import struct
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
 
 from mdlm_jax.kernels.attention_reference import attention_reference
+from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
+                                              confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec
+from mdlm_jax.precision import LOGITS_DTYPE
 
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+HEAD_IMPLEMENTATIONS = IMPLEMENTATIONS + ("triton",)
 
 
 def kernel_backend() -> str | None:
@@ -40,10 +48,51 @@ def _kernel_target(implementation: str) -> tuple[str, bool] | None:
   """(variant, interpret) of the kernel to run, or None for the reference."""
   if implementation == "pallas_interpret":
     return "gpu", True
+  backend = kernel_backend()
   if implementation == "pallas":
-    backend = kernel_backend()
     return None if backend is None else (backend, False)
+  if implementation == "triton" and backend == "gpu" and jax.default_backend() != "rocm":
+    return "triton", False
   return None
+
+
+@struct.dataclass
+class HeadInput:
+  """What the vocabulary head reads: final hidden states (already scaled as
+  the model's `logits` scales them) and the output embedding. A model returns
+  this instead of logits when a sampler asks for the fused head."""
+
+  hidden: Float[Array, "b t d"]
+  w: Float[Array, "d v"]
+  implementation: str = struct.field(pytree_node=False, default="xla")
+
+  def logits(self) -> Float[Array, "b t v"]:
+    b, t, d = self.hidden.shape
+    return jax.numpy.matmul(self.hidden.reshape(b * t, d), self.w.astype(self.hidden.dtype),
+                            preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
+
+  @property
+  def fused(self) -> bool:
+    """Whether `confidence_head` runs a kernel here (else: materialise the logits)."""
+    return _kernel_target(self.implementation) is not None
+
+
+def confidence_head(hidden, w, bits, settings: HeadSettings = HeadSettings(), *, implementation="xla",
+                    block_sizes: HeadBlockSizes | None = None):
+  """(token, p(token), max p) per position without materialising [b, t, v]
+  logits; see `confidence_head_reference`. "triton" runs the jax-triton
+  kernel on CUDA; "pallas" the Pallas kernel on GPU/TPU; the reference elsewhere."""
+  if implementation not in HEAD_IMPLEMENTATIONS:
+    raise ValueError(f"unknown confidence head implementation {implementation!r}; choose from {HEAD_IMPLEMENTATIONS}")
+  target = _kernel_target(implementation)
+  if target is None:
+    return confidence_head_reference(hidden, w, bits, settings)
+  backend, interpret = target
+  if backend == "triton":
+    from mdlm_jax.kernels.confidence_head_triton import confidence_head_triton
+    return confidence_head_triton(hidden, w, bits, settings, block_sizes=block_sizes)
+  return confidence_head_pallas(hidden, w, bits, settings, block_sizes=block_sizes, backend=backend,
+                                interpret=interpret)
 
 
 def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_sizes: BlockSizes | None = None):
@@ -87,4 +136,5 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
 
 
 __all__ = ["attention", "attention_reference", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
-           "IMPLEMENTATIONS", "kernel_backend"]
+           "IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
+           "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

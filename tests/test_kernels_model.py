@@ -79,28 +79,38 @@ def test_block_causal_mask_is_the_dense_block_causal_mask():
   np.testing.assert_array_equal(got[:, 0], want)
 
 
-@pytest.mark.slow
-def test_cached_samples_same_with_kernels():
-  """ThresholdSampler decoding block by block against a KV cache, kernels on and off."""
+def cached_samples(model, fused_head=False):
+  """ThresholdSampler decoding block by block against a KV cache."""
   b, gs, gl, bs = 2, 4, 8, 4
   lay = Layout(gen_start=gs, gen_len=gl, mask_id=0, eos_id=1)
   prompt = random_tokens(7, b=b, l=gs)
   tokens = jnp.asarray(np.concatenate([prompt, np.zeros((b, gl), np.int32)], axis=1))
   valid = jnp.ones((b, gs + gl), bool)
-  samples = []
-  for model in models():
-    class Denoiser:
-      positions = jnp.broadcast_to(jnp.arange(gs + gl, dtype=jnp.int32), (b, gs + gl))
 
-      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0):
-        return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new, commit_len=commit_len,
-                                    new_block=new_block)
+  class Denoiser:
+    positions = jnp.broadcast_to(jnp.arange(gs + gl, dtype=jnp.int32), (b, gs + gl))
 
-      def new_cache(self, batch, max_len):
-        return KVCache.init(model.cfg, batch, max_len)
+    def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0, head=False):
+      return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new, commit_len=commit_len,
+                                  new_block=new_block, head=head)
 
-    sampler = ThresholdSampler(block_size=bs, kv_cache=True, temperature=1.0)
-    run = jax.jit(lambda tokens, key: sampler.run(Denoiser(), tokens, valid, key, lay, False, None)["tokens"])
-    samples.append(np.asarray(run(tokens, jax.random.key(8))))
-  np.testing.assert_array_equal(samples[1], samples[0])
-  assert (samples[0][:, gs:] != 0).all()
+    def new_cache(self, batch, max_len):
+      return KVCache.init(model.cfg, batch, max_len)
+
+  sampler = ThresholdSampler(block_size=bs, kv_cache=True, temperature=1.0, fused_head=fused_head)
+  run = jax.jit(lambda tokens, key: sampler.run(Denoiser(), tokens, valid, key, lay, False, None)["tokens"])
+  out = np.asarray(run(tokens, jax.random.key(8)))
+  assert (out[:, gs:gs + bs] != 0).all()  # the first block is always decoded
+  return out
+
+
+def test_fused_head_sampling_on_cpu_equals_the_logits_path():
+  """model.attention=pallas on CPU: attention and the fused head fall back; samples are unchanged."""
+  model = make(seed=3, attention="pallas", num_layers=1)
+  np.testing.assert_array_equal(cached_samples(model, fused_head=True), cached_samples(model))
+
+
+@pytest.mark.slow
+def test_cached_samples_same_with_kernels():
+  ref, got = (cached_samples(m) for m in models())
+  np.testing.assert_array_equal(got, ref)

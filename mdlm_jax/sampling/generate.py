@@ -97,10 +97,10 @@ class Generator:
       def __call__(self, toks, t):
         return model(toks, t if tc else None, positions, attn_mask)
 
-      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0):
+      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0, head=False):
         frac = jnp.mean(toks == layout.mask_id, axis=-1).astype(jnp.float32)
         return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new,
-                                    t=frac if tc else None, commit_len=commit_len, new_block=new_block)
+                                    t=frac if tc else None, commit_len=commit_len, new_block=new_block, head=head)
 
       def new_cache(self, batch, max_len):
         return KVCache.init(cfg, batch, max_len)
