@@ -135,7 +135,7 @@ def test_rows_reading_nothing_are_zero():
 @pytest.mark.parametrize("kind", ["causal", "block_diffusion"])
 def test_tile_ranges_cover_every_allowed_tile(kind):
   """The loops' structural ranges are supersets of the tiles holding an allowed entry."""
-  for l, s, bs in [(24, 24, 4), (40, 40, 4), (12, 37, 1), (16, 16, 8)]:
+  for l, s, bs in [(24, 24, 4), (12, 37, 1), (16, 16, 8)]:
     if kind == "block_diffusion" and l != s:
       continue
     mask = AttentionMask(kind=kind, block_size=bs if kind == "block_diffusion" else 0)

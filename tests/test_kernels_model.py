@@ -104,6 +104,7 @@ def cached_samples(model, fused_head=False):
   return out
 
 
+@pytest.mark.slow
 def test_fused_head_sampling_on_cpu_equals_the_logits_path():
   """model.attention=pallas on CPU: attention and the fused head fall back; samples are unchanged."""
   model = make(seed=3, attention="pallas", num_layers=1)
