@@ -1,19 +1,140 @@
 """Attention and other hot-path ops, dispatched by backend and config.
 
-The model calls only the functions exported here. Each op has a pure-jnp
-reference (`*_reference`) that is the fallback on every backend.
+The model and the samplers call only the functions exported here. Each op has
+a pure-jnp reference (`*_reference`) that is the fallback on every backend.
+
+Implementations:
+- "xla": the reference, everywhere.
+- "pallas": the Pallas kernel for the running backend on GPU (Triton) and TPU
+  (Mosaic); the reference elsewhere (CPU), since interpreted kernels are slow.
+- "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
+  interpreter on any backend: how tests run the kernels on CPU.
+The confidence head also takes "triton": the jax-triton kernel on a CUDA
+backend (the `gpu` extra), the reference elsewhere.
 """
 
+from __future__ import annotations
+
+import jax
+from flax import struct
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
 from mdlm_jax.kernels.attention_reference import attention_reference
+from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
+                                              confidence_head_reference)
+from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
+from mdlm_jax.kernels.masks import AttentionMask, MaskSpec
+from mdlm_jax.precision import LOGITS_DTYPE
 
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+HEAD_IMPLEMENTATIONS = IMPLEMENTATIONS + ("triton",)
 
 
-def attention(q, k, v, *, causal=False, mask=None, implementation="xla"):
-  """Dispatches multi-head attention; see `attention_reference` for shapes."""
+def kernel_backend() -> str | None:
+  """"gpu" or "tpu" when the default backend runs Pallas kernels natively, else None."""
+  backend = jax.default_backend()
+  if backend in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  return "tpu" if backend == "tpu" else None
+
+
+def _check(implementation: str) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown attention implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
-  return attention_reference(q, k, v, causal=causal, mask=mask)
 
 
-__all__ = ["attention", "attention_reference", "IMPLEMENTATIONS"]
+def _kernel_target(implementation: str) -> tuple[str, bool] | None:
+  """(variant, interpret) of the kernel to run, or None for the reference."""
+  if implementation == "pallas_interpret":
+    return "gpu", True
+  backend = kernel_backend()
+  if implementation == "pallas":
+    return None if backend is None else (backend, False)
+  if implementation == "triton" and backend == "gpu" and jax.default_backend() != "rocm":
+    return "triton", False
+  return None
+
+
+@struct.dataclass
+class HeadInput:
+  """What the vocabulary head reads: final hidden states (already scaled as
+  the model's `logits` scales them) and the output embedding. A model returns
+  this instead of logits when a sampler asks for the fused head."""
+
+  hidden: Float[Array, "b t d"]
+  w: Float[Array, "d v"]
+  implementation: str = struct.field(pytree_node=False, default="xla")
+
+  def logits(self) -> Float[Array, "b t v"]:
+    b, t, d = self.hidden.shape
+    return jax.numpy.matmul(self.hidden.reshape(b * t, d), self.w.astype(self.hidden.dtype),
+                            preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
+
+  @property
+  def fused(self) -> bool:
+    """Whether `confidence_head` runs a kernel here (else: materialise the logits)."""
+    return _kernel_target(self.implementation) is not None
+
+
+def confidence_head(hidden, w, bits, settings: HeadSettings = HeadSettings(), *, implementation="xla",
+                    block_sizes: HeadBlockSizes | None = None):
+  """(token, p(token), max p) per position without materialising [b, t, v]
+  logits; see `confidence_head_reference`. "triton" runs the jax-triton
+  kernel on CUDA; "pallas" the Pallas kernel on GPU/TPU; the reference elsewhere."""
+  if implementation not in HEAD_IMPLEMENTATIONS:
+    raise ValueError(f"unknown confidence head implementation {implementation!r}; choose from {HEAD_IMPLEMENTATIONS}")
+  target = _kernel_target(implementation)
+  if target is None:
+    return confidence_head_reference(hidden, w, bits, settings)
+  backend, interpret = target
+  if backend == "triton":
+    from mdlm_jax.kernels.confidence_head_triton import confidence_head_triton
+    return confidence_head_triton(hidden, w, bits, settings, block_sizes=block_sizes)
+  return confidence_head_pallas(hidden, w, bits, settings, block_sizes=block_sizes, backend=backend,
+                                interpret=interpret)
+
+
+def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_sizes: BlockSizes | None = None):
+  """Multi-head attention; shapes as `attention_reference`.
+
+  `mask` is None, a structural `AttentionMask` (the kernels compute it per
+  tile and skip empty tiles), or a dense boolean array, which has no
+  structure for a kernel to use and always runs the reference. Under a
+  device mesh the kernel runs per shard (`shard_map` over batch and heads).
+  """
+  _check(implementation)
+  target = _kernel_target(implementation)
+  if target is None or (mask is not None and not isinstance(mask, AttentionMask)):
+    return attention_reference(q, k, v, causal=causal, mask=mask)
+  backend, interpret = target
+  mask = (mask if mask is not None else AttentionMask()).with_causal(causal)
+
+  def run(q, k, v, mask):
+    return flash_attention(q, k, v, mask, block_sizes=block_sizes, backend=backend, interpret=interpret)
+
+  return _per_shard(run, q, k, v, mask)
+
+
+def _per_shard(fn, q, k, v, mask: AttentionMask):
+  """`fn` under shard_map over the mesh's batch and head axes (a pallas_call
+  cannot be partitioned by XLA); a plain call outside a mesh."""
+  from mdlm_jax import sharding
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return fn(q, k, v, mask)
+  sizes = dict(mesh.shape)
+  qs = sharding._fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), q.shape, sizes)
+  ks = sharding._fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), k.shape, sizes)
+  batch, heads = qs[0], qs[2] if qs[2] == ks[2] else None  # GQA groups must split alike
+  if ks[0] != batch:
+    batch = None
+  qkv = P(batch, None, heads, None)
+  mask_specs = jax.tree.map(lambda x: P(batch if x.shape[0] > 1 else None, *([None] * (x.ndim - 1))), mask)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, mask_specs), out_specs=qkv, check_vma=False)(
+      q, k, v, mask)
+
+
+__all__ = ["attention", "attention_reference", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
+           "IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
+           "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

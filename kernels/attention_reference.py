@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from mdlm_jax.kernels.masks import AttentionMask
+
 
 def attention_reference(
     q: Float[Array, "b l h d"],
@@ -13,15 +15,21 @@ def attention_reference(
     v: Float[Array, "b s g d"],
     *,
     causal: bool = False,
-    mask: Bool[Array, "b #h l s"] | None = None,
+    mask: Bool[Array, "b #h l s"] | AttentionMask | None = None,
     scale: float | None = None,
 ) -> Float[Array, "b l h d"]:
   """Softmax attention with scores and softmax in float32.
 
   k/v may have fewer heads than q (grouped-query attention): `h` must be a
-  multiple of `g`. `mask` (True = attend) is combined with `causal`.
+  multiple of `g`. `mask` (True = attend; a boolean array or a structural
+  `AttentionMask`, materialised here) is combined with `causal`.
   """
   b, l, h, d = q.shape
+  if isinstance(mask, AttentionMask):
+    causal = causal or mask.kind == "causal"
+    structural = mask.kind != "causal" or mask.has_segments or mask.kv_valid is not None
+    mask = mask.replace(kind="full").dense(l, k.shape[1]) if mask.kind == "causal" and structural else (
+        mask.dense(l, k.shape[1]) if structural else None)
   g = k.shape[2]
   if h % g:
     raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({g})")

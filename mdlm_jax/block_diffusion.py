@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from mdlm_jax import diffusion
+from mdlm_jax import diffusion, kernels
 
 
 def count_blocks(seq_len: int, block_size: int) -> int:
@@ -88,7 +88,9 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   b, l = xt.shape
   tokens = jnp.concatenate([xt, x0], axis=1)
   positions = jnp.broadcast_to(jnp.asarray(block_positions(l)), (b, 2 * l))
-  mask = jnp.broadcast_to(jnp.asarray(block_attention_mask(l, block_size)), (b, 1, 2 * l, 2 * l))
+  count_blocks(l, block_size)
+  # Structural, so a kernel builds it per tile; equal to `block_attention_mask`.
+  mask = kernels.AttentionMask(kind="block_diffusion", block_size=block_size)
   # Only the x_t half is scored: skip the vocabulary projection of the x_0 half.
   return model.logits(model.hidden_states(tokens, None, positions, mask)[:, :l])
 

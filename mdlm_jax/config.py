@@ -14,7 +14,9 @@ SCHEDULES = ("loglinear", "linear", "cosine")
 OBJECTIVES = ("mdlm", "ar")
 MLPS = ("swiglu", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("xla",)
+# "pallas": fused kernels on GPU/TPU, the XLA reference elsewhere; "pallas_interpret":
+# the kernels under the Pallas interpreter on any backend (tests only: slow).
+ATTENTION = ("xla", "pallas", "pallas_interpret")
 
 
 def base_config() -> ml_collections.ConfigDict:

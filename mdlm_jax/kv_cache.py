@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from mdlm_jax.kernels import AttentionMask
 from mdlm_jax.precision import compute_dtype
 from mdlm_jax.sharding import constrain
 
@@ -66,6 +67,12 @@ class KVCache:
 
   def attention_mask(self, valid_new: Bool[Array, "b t"], *, causal: bool, new_block: int = 0
                      ) -> tuple[Bool[Array, "b s"], Bool[Array, "b 1 t s"]]:
+    """`attention_spec` with the mask materialised, [b, 1, t, s]."""
+    valid, spec = self.attention_spec(valid_new, causal=causal, new_block=new_block)
+    return valid, spec.dense(valid_new.shape[1], self.max_len)
+
+  def attention_spec(self, valid_new: Bool[Array, "b t"], *, causal: bool, new_block: int = 0
+                     ) -> tuple[Bool[Array, "b s"], AttentionMask]:
     """Which slots the t new tokens (to be written at [length, length + t)) may read.
 
     Returns the slot validity with the new tokens' entries written in, and the mask:
@@ -75,26 +82,26 @@ class KVCache:
     prompt, to be committed) that reads only itself, and a tail block that
     reads everything. Slots past length + t are never visible, so
     stale entries beyond the fill point (e.g. an uncommitted block) are ignored.
+    Each query reads a prefix of the slots (those valid), so the mask is a
+    structural "prefix" mask: one end slot per query.
     """
-    t = valid_new.shape[1]
+    b, t = valid_new.shape
     if t > self.max_len:
       raise ValueError(f"{t} new tokens do not fit a cache of {self.max_len} slots")
     valid = self._at_length(self.valid, valid_new.astype(jnp.bool_), 1)
-    start = jnp.reshape(self.length, (-1, 1, 1))  # [b or 1, 1, 1]
-    slot = jnp.arange(self.max_len, dtype=jnp.int32)[None, None, :]
-    query_slot = start + jnp.arange(t, dtype=jnp.int32)[None, :, None]
+    start = jnp.reshape(self.length, (-1, 1))  # [b or 1, 1]
+    query_slot = start + jnp.arange(t, dtype=jnp.int32)[None, :]
     if causal:
-      visible = slot <= query_slot  # [b or 1, t, s]
+      q_end = query_slot + 1
     elif new_block > 0:
       if new_block > t:
         raise ValueError(f"new_block ({new_block}) is longer than the {t} new tokens")
       head_end = start + t - new_block
-      own = (slot < head_end) | (query_slot >= head_end)
-      visible = (slot < start) | ((slot < start + t) & own)
+      q_end = jnp.where(query_slot >= head_end, start + t, head_end)
     else:
-      visible = jnp.broadcast_to(slot < start + t, (start.shape[0], t, self.max_len))
-    mask = jnp.logical_and(valid[:, None, None, :], visible[:, None])
-    return valid, mask
+      q_end = start + t + jnp.zeros((1, t), jnp.int32)
+    q_end = jnp.broadcast_to(q_end, (b, t)).astype(jnp.int32)
+    return valid, AttentionMask(kind="prefix", q_end=q_end, kv_valid=valid)
 
   def write(self, layer: int, k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]) -> "KVCache":
     """Writes one layer's new keys/values at [length, length + t); `length` is not advanced.

@@ -93,7 +93,7 @@ class Attention(nnx.Module):
     return y.reshape(*shape, heads, k)
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
-              mask: Bool[Array, "b #h l s"] | None = None, cache: KVCache | None = None,
+              mask: Bool[Array, "b #h l s"] | kernels.AttentionMask | None = None, cache: KVCache | None = None,
               layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
     """Self-attention; with `cache`, the new keys/values are first written into
     layer `layer` of the cache and the queries read the whole cache buffer

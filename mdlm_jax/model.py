@@ -14,9 +14,10 @@ import ml_collections
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.layers import MLP, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
-from mdlm_jax.precision import LOGITS_DTYPE, compute_dtype
+from mdlm_jax.precision import compute_dtype
 from mdlm_jax.sharding import constrain
 
 
@@ -75,7 +76,7 @@ class Block(nnx.Module):
     return self.forward(x, positions, cond, causal=causal, mask=mask)[0]
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], cond: Float[Array, "b c"] | None, *,
-              causal: bool, mask: Bool[Array, "b #h l s"] | None = None, cache: KVCache | None = None,
+              causal: bool, mask: Bool[Array, "b #h l s"] | AttentionMask | None = None, cache: KVCache | None = None,
               layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
     """One pre-norm block; with `cache`, attention reads and extends layer `layer` of it."""
     if self.modulation is None:
@@ -144,7 +145,7 @@ class Transformer(nnx.Module):
   def forward_cached(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: KVCache, *,
                      commit: bool, valid_new: Bool[Array, "b t"] | None = None,
                      t: Float[Array, "b"] | None = None, commit_len: int | Int[Array, "b"] | None = None,
-                     new_block: int = 0) -> tuple[Float[Array, "b t v"], KVCache]:
+                     new_block: int = 0, head: bool = False) -> tuple[Float[Array, "b t v"] | HeadInput, KVCache]:
     """Logits of t new tokens that read the cache's valid filled slots and each other.
 
     The new tokens see one another causally when cfg.causal, else all of them
@@ -159,31 +160,34 @@ class Transformer(nnx.Module):
     splits the new tokens into a head that does not see the last `new_block`
     and that tail block, which sees all: one pass encodes a finished clean
     block or the prompt (to keep) and denoises the next block. Logits are
-    then returned for the tail block only, [b, new_block, v].
+    then returned for the tail block only, [b, new_block, v]. With `head`
+    (static) a `HeadInput` replaces the logits, for a sampler's fused head.
     """
     b, n = tokens.shape
     if valid_new is None:
       valid_new = jnp.ones((b, n), jnp.bool_)
-    valid, mask = cache.attention_mask(valid_new, causal=self.cfg.causal, new_block=new_block)
+    valid, mask = cache.attention_spec(valid_new, causal=self.cfg.causal, new_block=new_block)
     # The cache layout is not "queries are the last keys": causality lives in the mask.
     x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
     if new_block > 0:
       x = x[:, n - new_block:]  # nobody reads the head's logits: skip its vocabulary matmul
+    out = self.head_input(x) if head else self.logits(x)
     if not commit:
-      return self.logits(x), cache
+      return out, cache
     keep = n if commit_len is None else commit_len
-    return self.logits(x), written.commit(cache.kept_valid(valid, keep), keep)
+    return out, written.commit(cache.kept_valid(valid, keep), keep)
 
   def output_embedding(self) -> Float[Array, "d v"]:
     return self.embedding[...].T if self.head is None else self.head[...]
 
-  def logits(self, hidden: Float[Array, "b l d"]) -> Float[Array, "b l v"]:
-    w = self.output_embedding()
+  def head_input(self, hidden: Float[Array, "b l d"]) -> HeadInput:
+    """The vocabulary head's inputs: `logits` is `head_input(hidden).logits()`."""
     if self.head is None:
       hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
-    b, l, d = hidden.shape
-    out = jnp.matmul(hidden.reshape(b * l, d), w.astype(hidden.dtype), preferred_element_type=LOGITS_DTYPE)
-    return constrain(out.reshape(b, l, -1), ("batch", "length", "act_vocab"))
+    return HeadInput(hidden, self.output_embedding(), self.cfg.attention)
+
+  def logits(self, hidden: Float[Array, "b l d"]) -> Float[Array, "b l v"]:
+    return constrain(self.head_input(hidden).logits(), ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens, t=None, positions=None, mask=None) -> Float[Array, "b l v"]:
     return self.logits(self.hidden_states(tokens, t, positions, mask))

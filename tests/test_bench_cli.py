@@ -36,3 +36,16 @@ def test_bench_sample(tiny_checkpoints, tmp_path):
                tmp_path=tmp_path)
   rows = out["batches"]["1"]
   assert set(rows) == {"medium", "ar"} and rows["ar"]["tokens_per_forward"] <= 1.0
+
+
+def test_bench_kernels_on_cpu_checks_numerics():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-m", "mdlm_jax.bench", "kernels", "--json"], capture_output=True, text=True,
+                     env=env, timeout=900, cwd=REPO)
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["timed"] is False and "GPU or TPU" in out["note"]
+  for name, check in out["numerics"].items():
+    if name.startswith("attention/"):
+      assert check["loss_rel_err"] < 1e-5 and check["grad_max_abs_err"] < 1e-4, name
+  assert out["numerics"]["confidence_head"]["tokens_equal"]

@@ -1,8 +1,9 @@
-"""python -m mdlm_jax.bench {train,sample,serve} [--json] [options]"""
+"""python -m mdlm_jax.bench {train,sample,serve,kernels} [--json] [options]"""
 
 import sys
 
-COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample", "serve": "mdlm_jax.bench.serve"}
+COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample", "serve": "mdlm_jax.bench.serve",
+            "kernels": "mdlm_jax.bench.kernels"}
 
 
 def main(argv=None):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdlm_jax import sharding
+from mdlm_jax import kernels, sharding
 from mdlm_jax.builder import LoadedModel, bind
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
 from mdlm_jax.kv_cache import KVCache
@@ -88,7 +88,7 @@ class Generator:
     if getattr(sampler, "is_block_causal", False):
       attn_mask = block_causal_mask(valid, layout, sampler.block_size)
     else:
-      attn_mask = jnp.broadcast_to(valid[:, None, None, :], (B, 1, L, L))  # never attend to padding
+      attn_mask = kernels.AttentionMask(kv_valid=valid)  # never attend to padding
     tc, cfg = self.time_conditioned, self.loaded.spec.cfg
 
     class Denoiser:
@@ -97,10 +97,10 @@ class Generator:
       def __call__(self, toks, t):
         return model(toks, t if tc else None, positions, attn_mask)
 
-      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0):
+      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0, head=False):
         frac = jnp.mean(toks == layout.mask_id, axis=-1).astype(jnp.float32)
         return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new,
-                                    t=frac if tc else None, commit_len=commit_len, new_block=new_block)
+                                    t=frac if tc else None, commit_len=commit_len, new_block=new_block, head=head)
 
       def new_cache(self, batch, max_len):
         return KVCache.init(cfg, batch, max_len)
@@ -177,7 +177,7 @@ class Generator:
         xt, masked = diffusion.forward_mask(key, tokens, t, schedule, mask_id)
         masked = masked & valid
         xt = jnp.where(masked, mask_id, tokens)
-        attn = jnp.broadcast_to(valid[:, None, None, :], (b, 1, l, l))
+        attn = kernels.AttentionMask(kv_valid=valid)
         logits = model(xt, t if tc else None, None, attn)
         per = diffusion.nelbo_per_token(logits, tokens, masked, t, schedule, mask_id)
         return per.sum(-1)

@@ -37,6 +37,13 @@ def column_words(key, b: int, v: int, columns) -> jax.Array:
   return jnp.transpose(per_col(columns), (1, 2, 0, 3))
 
 
+def gumbel_float32(hi: jax.Array) -> jax.Array:
+  """Gumbel noise from the top 23 bits of the first word (the float32 path;
+  kernels call it on tiles of the same bits)."""
+  u = ((hi >> 9).astype(jnp.float32) + 0.5) * np.float32(2.0**-23)  # in [2^-24, 1 - 2^-24]
+  return -jnp.log(-jnp.log(u))
+
+
 def gumbel_argmax(logits: jax.Array, words: jax.Array, temperature: float = 1.0,
                   float64: bool | None = None) -> jax.Array:
   """argmax(logits / temperature + Gumbel) over the last axis, int32; `words`
@@ -45,8 +52,7 @@ def gumbel_argmax(logits: jax.Array, words: jax.Array, temperature: float = 1.0,
     float64 = use_float64()
   hi, lo = words[0], words[1]
   if not float64:
-    u = ((hi >> 9).astype(jnp.float32) + 0.5) * np.float32(2.0**-23)  # in [2^-24, 1 - 2^-24]
-    g = -jnp.log(-jnp.log(u))
+    g = gumbel_float32(hi)
     return jnp.argmax(logits.astype(jnp.float32) / temperature + g, axis=-1).astype(jnp.int32)
   with jax.enable_x64(True):
     f64 = jnp.float64

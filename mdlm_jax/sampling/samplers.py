@@ -26,6 +26,7 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
+from mdlm_jax import kernels
 from mdlm_jax.diffusion import NEG_INF, Schedule
 from mdlm_jax.sampling.gumbel import column_words, gumbel_argmax
 
@@ -39,7 +40,23 @@ def _exclude_mask(logits, mask_id):
 def propose(key, logits, mask_id: int, temperature: float, columns=None):
   """Per position: a proposal x0 (Gumbel-max at `temperature`, float64 on CPU;
   argmax at 0) and its probability under the untempered p(x0). `columns`: the
-  canvas columns of the positions (default 0..T-1), which key the noise."""
+  canvas columns of the positions (default 0..T-1), which key the noise.
+
+  `logits` may be a `kernels.HeadInput` (hidden states and output embedding):
+  where a fused head kernel runs, it samples from the same noise bits
+  (float32 path) without materialising the logits; elsewhere the logits are
+  materialised and the result is exactly the logits path's."""
+  if isinstance(logits, kernels.HeadInput):
+    head, logits = logits, None
+    if not head.fused:
+      logits = head.logits()
+    else:
+      b, t, _ = head.hidden.shape
+      cols = jnp.arange(t) if columns is None else columns
+      bits = column_words(key, b, head.w.shape[1], cols)[0] if temperature > 0 else None
+      x0, conf, _ = kernels.confidence_head(head.hidden, head.w, bits, kernels.HeadSettings(temperature, mask_id),
+                                            implementation=head.implementation)
+      return x0, conf
   logits = _exclude_mask(logits, mask_id)
   logp = jax.nn.log_softmax(logits, axis=-1)
   if temperature > 0:
@@ -99,6 +116,10 @@ class _ConfidenceBase:
   # same result from full-canvas passes (the uncached reference).
   kv_cache: bool = False
   block_causal: bool = False
+  # With kv_cache: ask the model for its head inputs and propose with the
+  # fused confidence head (a kernel on GPU/TPU when model.attention selects
+  # one; the materialised logits, and the same samples, elsewhere).
+  fused_head: bool = False
 
   @property
   def is_block_causal(self) -> bool:
@@ -178,19 +199,21 @@ class _ConfidenceBase:
       blk = jax.lax.dynamic_slice_in_dim(s["tokens"], lo, bs, axis=1)
       pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
 
+      head = {"head": True} if self.fused_head else {}
+
       def refine():
-        return model.cached(blk, pos, s["cache"], False, None, None, 0)
+        return model.cached(blk, pos, s["cache"], False, None, None, 0, **head)
 
       def encode_previous_and_refine():
         prev = jax.lax.dynamic_slice_in_dim(s["tokens"], lo - bs, bs, axis=1)
         prev_pos = jax.lax.dynamic_slice_in_dim(positions, lo - bs, bs, axis=1)
         logits, cache = model.cached(jnp.concatenate([prev, blk], 1), jnp.concatenate([prev_pos, pos], 1),
-                                     s["cache"], True, None, bs, bs)
+                                     s["cache"], True, None, bs, bs, **head)
         return logits, cache
 
       def encode_prompt_and_refine():
         logits, cache = model.cached(jnp.concatenate([s["tokens"][:, :gs], blk], 1), positions[:, :gs + bs],
-                                     s["cache"], True, valid[:, :gs + bs], gs, bs)
+                                     s["cache"], True, valid[:, :gs + bs], gs, bs, **head)
         return logits, cache
 
       branch = jnp.where(s["step"] > 0, 0, jnp.where(s["block"] > 0, 1, 2))
@@ -217,15 +240,19 @@ class _ConfidenceBase:
 
 
 
-def block_causal_mask(valid, lay: Layout, block_size: int):
-  """[B, 1, L, L]: column c is visible from row r iff block(c) <= block(r),
-  the prompt being block -1 and columns after the generation region unseen."""
-  L = valid.shape[1]
-  cols = jnp.arange(L)
-  blk = jnp.where(cols < lay.gen_start, -1, (cols - lay.gen_start) // max(block_size, 1))
-  blk = jnp.where(cols >= lay.gen_start + lay.gen_len, jnp.iinfo(jnp.int32).max, blk)
-  allowed = blk[None, :] <= blk[:, None]
-  return (allowed[None] & valid[:, None, :])[:, None]
+def block_causal_mask(valid, lay: Layout, block_size: int) -> kernels.AttentionMask:
+  """Column c is visible from row r iff block(c) <= block(r) and c is valid,
+  the prompt being block -1 and columns after the generation region unseen.
+
+  Blocks grow left to right, so each row sees a prefix of the columns: a
+  structural "prefix" mask (materialise with `.dense(L, L)`)."""
+  B, L = valid.shape
+  rows = jnp.arange(L, dtype=jnp.int32)
+  gen_end = lay.gen_start + lay.gen_len
+  bs = max(block_size, 1)
+  in_gen = jnp.minimum(lay.gen_start + ((rows - lay.gen_start) // bs + 1) * bs, gen_end)
+  q_end = jnp.where(rows < lay.gen_start, lay.gen_start, jnp.where(rows < gen_end, in_gen, L))
+  return kernels.AttentionMask(kind="prefix", q_end=jnp.broadcast_to(q_end, (B, L)), kv_valid=valid)
 
 
 @dataclasses.dataclass(frozen=True)

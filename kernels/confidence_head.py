@@ -1,0 +1,197 @@
+"""Fused confidence head: the vocabulary projection, softmax statistics and
+Gumbel-max sampling in one pass over vocabulary tiles.
+
+A diffusion sampler needs, per position, a sampled token, its probability
+and the top probability: three numbers out of a [B, L, V] logits tensor.
+The kernel keeps, per row, a running max and sum (the log-sum-exp) and the
+best perturbed score with its index and logit, so the logits are never
+written to memory.
+
+The Gumbel noise comes from random bits given as input (the first word of
+`sampling.gumbel.random_words`, float32 path), so a fused step samples
+exactly what the materialised-logits path samples from the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, UInt32
+
+from mdlm_jax.diffusion import NEG_INF
+from mdlm_jax.sampling.gumbel import gumbel_float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadBlockSizes:
+  block_rows: int = 64
+  block_vocab: int = 256
+
+  @classmethod
+  def get_default(cls, backend: str = "gpu") -> "HeadBlockSizes":
+    return cls(256, 1024) if backend == "tpu" else cls()
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSettings:
+  """Static settings of one head call."""
+
+  temperature: float = 1.0  # 0: argmax
+  exclude_id: int = -1  # a token never proposed (the [MASK] id under SUBS); -1: none
+
+
+def _logits(hidden2d, w):
+  return jnp.matmul(hidden2d, w.astype(hidden2d.dtype), preferred_element_type=jnp.float32)
+
+
+def confidence_head_reference(
+    hidden: Float[Array, "b t d"],
+    w: Float[Array, "d v"],
+    bits: UInt32[Array, "b t v"] | None,
+    settings: HeadSettings = HeadSettings(),
+) -> tuple[Int[Array, "b t"], Float[Array, "b t"], Float[Array, "b t"]]:
+  """(token, p(token), max p) per position from materialised logits: log-softmax
+  and Gumbel-max (argmax when `settings.temperature` is 0 or `bits` is None)."""
+  b, t, d = hidden.shape
+  logits = _logits(hidden.reshape(b * t, d), w).reshape(b, t, -1)
+  if settings.exclude_id >= 0:
+    logits = logits.at[..., settings.exclude_id].set(NEG_INF)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  y = logits if bits is None or settings.temperature == 0 else logits / settings.temperature + gumbel_float32(bits)
+  token = jnp.argmax(y, axis=-1).astype(jnp.int32)
+  prob = jnp.exp(jnp.take_along_axis(logp, token[..., None], axis=-1)[..., 0])
+  return token, prob, jnp.exp(jnp.max(logp, axis=-1))
+
+
+def _tile_update(state, logits, y, col):
+  """Folds one vocabulary tile into (max, sum, best score, best index, best logit)."""
+  m, s, best, idx, best_logit = state
+  m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
+  s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new), axis=1, keepdims=True)
+  tile_best = jnp.max(y, axis=1, keepdims=True)
+  tile_idx = jnp.min(jnp.where(y == tile_best, col, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+  tile_logit = jnp.sum(jnp.where(col == tile_idx, logits, 0.0), axis=1, keepdims=True)
+  better = tile_best > best  # strict: ties keep the lower index, as argmax does
+  return (m_new, s, jnp.where(better, tile_best, best), jnp.where(better, tile_idx, idx),
+          jnp.where(better, tile_logit, best_logit))
+
+
+def _tile_scores(h, w_tile, bits_tile, col, v: int, st: HeadSettings):
+  logits = _dot(h, w_tile)
+  if st.exclude_id >= 0:
+    logits = jnp.where(col == st.exclude_id, NEG_INF, logits)
+  logits = jnp.where(col < v, logits, -jnp.inf)
+  y = logits if bits_tile is None else logits / st.temperature + gumbel_float32(bits_tile)
+  return logits, jnp.where(col < v, y, -jnp.inf)
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b.astype(a.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _init(bn):
+  ninf = jnp.full((bn, 1), -jnp.inf, jnp.float32)
+  return ninf, jnp.zeros((bn, 1), jnp.float32), ninf, jnp.zeros((bn, 1), jnp.int32), jnp.zeros((bn, 1), jnp.float32)
+
+
+def _write(state, tok_ref, prob_ref, maxp_ref):
+  m, s, _, idx, best_logit = state
+  lse = m + jnp.log(s)
+  tok_ref[...] = idx
+  prob_ref[...] = jnp.exp(best_logit - lse)
+  maxp_ref[...] = jnp.exp(m - lse)
+
+
+def _head_loop_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sample: bool):
+  """GPU: one program per row tile, looping over the vocabulary tiles."""
+  bits_ref, (tok_ref, prob_ref, maxp_ref) = (rest[0], rest[1:]) if sample else (None, rest)
+  h = h_ref[...]
+  bn = h.shape[0]
+
+  def body(j, state):
+    cols = pl.ds(j * bv, bv)
+    col = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
+    logits, y = _tile_scores(h, w_ref[:, cols], None if bits_ref is None else bits_ref[:, cols], col, v, st)
+    return _tile_update(state, logits, y, col)
+
+  _write(lax.fori_loop(0, w_ref.shape[1] // bv, body, _init(bn)), tok_ref, prob_ref, maxp_ref)
+
+
+def _head_grid_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sample: bool):
+  """TPU: the vocabulary tile is the inner grid axis; the row state lives in scratch."""
+  bits_ref, rest = (rest[0], rest[1:]) if sample else (None, rest)
+  tok_ref, prob_ref, maxp_ref, *scratch = rest
+  j = pl.program_id(1)
+
+  @pl.when(j == 0)
+  def _():
+    for ref, x in zip(scratch, _init(h_ref.shape[0])):
+      ref[...] = x
+
+  col = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
+  logits, y = _tile_scores(h_ref[...], w_ref[...], None if bits_ref is None else bits_ref[...], col, v, st)
+  for ref, x in zip(scratch, _tile_update(tuple(r[...] for r in scratch), logits, y, col)):
+    ref[...] = x
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _():
+    _write(tuple(r[...] for r in scratch), tok_ref, prob_ref, maxp_ref)
+
+
+def _pad(x, axis, n):
+  if x.shape[axis] == n:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def confidence_head_pallas(
+    hidden: Float[Array, "b t d"],
+    w: Float[Array, "d v"],
+    bits: UInt32[Array, "b t v"] | None,
+    settings: HeadSettings = HeadSettings(),
+    *,
+    block_sizes: HeadBlockSizes | None = None,
+    backend: str = "gpu",
+    interpret: bool = False,
+) -> tuple[Int[Array, "b t"], Float[Array, "b t"], Float[Array, "b t"]]:
+  """The Pallas kernel of `confidence_head_reference` (same arguments and results)."""
+  if backend not in ("gpu", "tpu"):
+    raise ValueError(f"unknown confidence head backend {backend!r}; choose from ('gpu', 'tpu')")
+  b, t, d = hidden.shape
+  v = w.shape[1]
+  blocks = block_sizes or HeadBlockSizes.get_default(backend)
+  n = b * t
+  bn = min(blocks.block_rows, max(16, pl.next_power_of_2(n)))
+  bv = min(blocks.block_vocab, max(16, pl.next_power_of_2(v)))
+  np_, vp = -(-n // bn) * bn, -(-v // bv) * bv
+  sample = bits is not None and settings.temperature > 0
+  h2 = _pad(hidden.reshape(n, d), 0, np_)
+  w2 = _pad(w.astype(hidden.dtype), 1, vp)
+  args = [h2, w2] + ([_pad(_pad(bits.reshape(n, v), 0, np_), 1, vp)] if sample else [])
+  out_shape = [jax.ShapeDtypeStruct((np_, 1), jnp.int32)] + [jax.ShapeDtypeStruct((np_, 1), jnp.float32)] * 2
+  kw = dict(v=v, bv=bv, st=settings, sample=sample)
+  if backend == "gpu":
+    in_specs = [pl.BlockSpec((bn, d), lambda i: (i, 0)), pl.BlockSpec((d, vp), lambda i: (0, 0))]
+    in_specs += [pl.BlockSpec((bn, vp), lambda i: (i, 0))] if sample else []
+    call = pl.pallas_call(functools.partial(_head_loop_kernel, **kw), grid=(np_ // bn,), in_specs=in_specs,
+                          out_specs=[pl.BlockSpec((bn, 1), lambda i: (i, 0))] * 3, out_shape=out_shape,
+                          interpret=interpret)
+  else:
+    from jax.experimental.pallas import tpu as pltpu
+    in_specs = [pl.BlockSpec((bn, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j))]
+    in_specs += [pl.BlockSpec((bn, bv), lambda i, j: (i, j))] if sample else []
+    scratch = [pltpu.VMEM((bn, 1), dt) for dt in (jnp.float32, jnp.float32, jnp.float32, jnp.int32, jnp.float32)]
+    call = pl.pallas_call(
+        functools.partial(_head_grid_kernel, **kw), grid=(np_ // bn, vp // bv), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((bn, 1), lambda i, j: (i, 0))] * 3, out_shape=out_shape, scratch_shapes=scratch,
+        interpret=interpret,
+        compiler_params=None if interpret else pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
+  tok, prob, maxp = call(*args)
+  return tuple(x[:n, 0].reshape(b, t) for x in (tok, prob, maxp))

@@ -1,0 +1,89 @@
+"""The fused confidence head written in Triton and called through jax-triton
+(the `gpu` extra). Same arguments and results as `confidence_head_reference`.
+
+`triton` and `jax_triton` are imported only when this runs, which the
+dispatcher allows only on a CUDA backend, so the package imports cleanly
+without them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mdlm_jax.diffusion import NEG_INF
+from mdlm_jax.kernels.confidence_head import HeadBlockSizes, HeadSettings
+
+
+@functools.cache
+def _kernel():
+  import triton
+  import triton.language as tl
+
+  @triton.jit
+  def head_kernel(h_ptr, w_ptr, bits_ptr, tok_ptr, prob_ptr, maxp_ptr, n, v, d,
+                  BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, TEMPERATURE: tl.constexpr,
+                  EXCLUDE: tl.constexpr, SAMPLE: tl.constexpr, NEG: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    dd = tl.arange(0, BD)
+    h = tl.load(h_ptr + rows[:, None] * d + dd[None, :], mask=(rows[:, None] < n) & (dd[None, :] < d), other=0.0)
+    m = tl.full([BN], float("-inf"), tl.float32)
+    s = tl.zeros([BN], tl.float32)
+    best = tl.full([BN], float("-inf"), tl.float32)
+    idx = tl.zeros([BN], tl.int32)
+    best_logit = tl.zeros([BN], tl.float32)
+    for j in range(0, tl.cdiv(v, BV)):
+      cols = j * BV + tl.arange(0, BV)
+      inside = cols[None, :] < v
+      w = tl.load(w_ptr + dd[:, None] * v + cols[None, :], mask=(dd[:, None] < d) & inside, other=0.0)
+      logits = tl.dot(h, w.to(h.dtype))
+      if EXCLUDE >= 0:
+        logits = tl.where(cols[None, :] == EXCLUDE, NEG, logits)
+      logits = tl.where(inside, logits, float("-inf"))
+      if SAMPLE:
+        hi = tl.load(bits_ptr + rows[:, None] * v + cols[None, :], mask=(rows[:, None] < n) & inside, other=0)
+        u = ((hi >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23, as sampling.gumbel
+        y = logits / TEMPERATURE - tl.log(-tl.log(u))
+        y = tl.where(inside, y, float("-inf"))
+      else:
+        y = logits
+      m_new = tl.maximum(m, tl.max(logits, axis=1))
+      s = s * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
+      m = m_new
+      tile_best = tl.max(y, axis=1)
+      tile_idx = tl.min(tl.where(y == tile_best[:, None], cols[None, :], 2147483647), axis=1)
+      tile_logit = tl.sum(tl.where(cols[None, :] == tile_idx[:, None], logits, 0.0), axis=1)
+      better = tile_best > best
+      best = tl.where(better, tile_best, best)
+      idx = tl.where(better, tile_idx, idx)
+      best_logit = tl.where(better, tile_logit, best_logit)
+    lse = m + tl.log(s)
+    keep = rows < n
+    tl.store(tok_ptr + rows, idx, mask=keep)
+    tl.store(prob_ptr + rows, tl.exp(best_logit - lse), mask=keep)
+    tl.store(maxp_ptr + rows, tl.exp(m - lse), mask=keep)
+
+  return head_kernel
+
+
+def confidence_head_triton(hidden, w, bits, settings: HeadSettings = HeadSettings(), *,
+                           block_sizes: HeadBlockSizes | None = None):
+  """(token, p(token), max p) per position; see `confidence_head_reference`."""
+  import jax_triton as jt
+  b, t, d = hidden.shape
+  v, n = w.shape[1], b * t
+  blocks = block_sizes or HeadBlockSizes(64, 128)
+  sample = bits is not None and settings.temperature > 0
+  h2 = hidden.reshape(n, d)
+  bits2 = bits.reshape(n, v) if sample else jnp.zeros((1,), jnp.uint32)
+  out_shape = [jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32),
+               jax.ShapeDtypeStruct((n,), jnp.float32)]
+  bd = max(16, 1 << (d - 1).bit_length())
+  tok, prob, maxp = jt.triton_call(
+      h2, w.astype(hidden.dtype), bits2, n, v, d, kernel=_kernel(), out_shape=out_shape,
+      grid=(-(-n // blocks.block_rows),), BN=blocks.block_rows, BV=blocks.block_vocab, BD=bd,
+      TEMPERATURE=float(settings.temperature) if sample else 1.0, EXCLUDE=settings.exclude_id, SAMPLE=sample,
+      NEG=NEG_INF)
+  return tok.reshape(b, t), prob.reshape(b, t), maxp.reshape(b, t)

@@ -1,0 +1,154 @@
+"""python -m mdlm_jax.bench kernels [--json] [--lengths 1024,4096,16384]
+
+On a GPU or TPU: time each kernel against its XLA reference (flash attention
+forward and forward+backward, the fused confidence head), with achieved
+TFLOP/s and the compiled programs' temporary memory (flash attention's is
+linear in L, the reference's quadratic). On CPU: the kernels' numerics in
+interpret mode on small shapes, and a note that timings need an accelerator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdlm_jax import kernels
+from mdlm_jax.bench import common
+
+MASKS = {"bidirectional": kernels.AttentionMask(), "causal": kernels.AttentionMask(kind="causal")}
+
+
+def _time(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def _temp_bytes(fn, *args) -> int | None:
+  try:
+    return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+  except Exception:  # not every backend reports it
+    return None
+
+
+def _attention_fns(mask, impl):
+  def fwd(q, k, v):
+    return kernels.attention(q, k, v, mask=mask, implementation=impl)
+
+  def fwd_bwd(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+  return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def time_attention(lengths, a) -> dict:
+  dt = jnp.dtype(a.dtype)
+  out = {}
+  for name, mask in MASKS.items():
+    for length in lengths:
+      rng = np.random.default_rng(length)
+      q, k, v = (jnp.asarray(rng.normal(size=(a.batch, length, a.heads, a.head_dim)), dt) for _ in range(3))
+      flops = 4 * a.batch * a.heads * length * length * a.head_dim * (0.5 if name == "causal" else 1.0)
+      row = {}
+      for impl, label in (("pallas", "kernel"), ("xla", "reference")):
+        fwd, fwd_bwd = _attention_fns(mask, impl)
+        try:
+          t_f = _time(fwd, q, k, v, repeats=a.repeats)
+          t_fb = _time(fwd_bwd, q, k, v, repeats=a.repeats)
+          row[label] = {"fwd_ms": 1e3 * t_f, "fwd_bwd_ms": 1e3 * t_fb, "fwd_tflops": flops / t_f / 1e12,
+                        "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12,  # backward ~2.5x the forward's matmuls
+                        "fwd_temp_bytes": _temp_bytes(fwd, q, k, v),
+                        "fwd_bwd_temp_bytes": _temp_bytes(fwd_bwd, q, k, v)}
+        except Exception as e:  # e.g. the reference's [L, L] scores do not fit
+          row[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+      if "fwd_ms" in row["kernel"] and "fwd_ms" in row["reference"]:
+        row["speedup_fwd"] = row["reference"]["fwd_ms"] / row["kernel"]["fwd_ms"]
+        row["speedup_fwd_bwd"] = row["reference"]["fwd_bwd_ms"] / row["kernel"]["fwd_bwd_ms"]
+      out[f"{name}/L={length}"] = row
+  return out
+
+
+def time_head(lengths, a) -> dict:
+  dt = jnp.dtype(a.dtype)
+  out = {}
+  impls = ("pallas", "triton") if kernels.kernel_backend() == "gpu" else ("pallas",)
+  for length in lengths:
+    rng = np.random.default_rng(length)
+    hidden = jnp.asarray(rng.normal(size=(a.batch, length, a.embed_dim)), dt)
+    w = jnp.asarray(rng.normal(size=(a.embed_dim, a.vocab)) / np.sqrt(a.embed_dim), dt)
+    bits = jax.random.bits(jax.random.key(0), (a.batch, length, a.vocab), jnp.uint32)
+    flops = 2 * a.batch * length * a.embed_dim * a.vocab
+    row = {}
+    for impl in impls + ("xla",):
+      fn = jax.jit(lambda h, w, b, impl=impl: kernels.confidence_head(h, w, b, kernels.HeadSettings(1.0, 0),
+                                                                      implementation=impl))
+      try:
+        t = _time(fn, hidden, w, bits, repeats=a.repeats)
+        row[impl] = {"ms": 1e3 * t, "tflops": flops / t / 1e12, "temp_bytes": _temp_bytes(fn, hidden, w, bits)}
+      except Exception as e:  # jax-triton missing, or out of memory
+        row[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    out[f"L={length}"] = row
+  return out
+
+
+def check_numerics() -> dict:
+  """Max errors of the interpreted kernels against the references on small shapes."""
+  rng = np.random.default_rng(0)
+  b, l, h, d = 1, 40, 2, 16
+  q, k, v = (jnp.asarray(rng.normal(size=(b, l, h, d)), jnp.float32) for _ in range(3))
+  masks = dict(MASKS, block_diffusion=kernels.AttentionMask(kind="block_diffusion", block_size=4),
+               prefix=kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(rng.integers(1, l + 1, (b, l)), jnp.int32),
+                                            kv_valid=jnp.ones((b, l), bool)))
+  blocks = kernels.BlockSizes(16, 16, 16, 16, 16, 16)
+  out = {}
+  for name, mask in masks.items():
+    def loss(fn):
+      return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2)))
+    got = loss(lambda q, k, v: kernels.flash_attention(q, k, v, mask, block_sizes=blocks, interpret=True))(q, k, v)
+    ref = loss(lambda q, k, v: kernels.attention_reference(q, k, v, mask=mask))(q, k, v)
+    out[f"attention/{name}"] = {
+        "loss_rel_err": abs(float(got[0]) - float(ref[0])) / abs(float(ref[0])),
+        "grad_max_abs_err": max(float(jnp.abs(x - y).max()) for x, y in zip(got[1], ref[1]))}
+  hidden = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(32, 300)) / 6, jnp.float32)
+  bits = jax.random.bits(jax.random.key(1), (2, 8, 300), jnp.uint32)
+  st = kernels.HeadSettings(1.0, 0)
+  got = jax.jit(lambda h: kernels.confidence_head_pallas(h, w, bits, st, interpret=True))(hidden)
+  ref = kernels.confidence_head_reference(hidden, w, bits, st)
+  out["confidence_head"] = {"tokens_equal": bool((np.asarray(got[0]) == np.asarray(ref[0])).all()),
+                            "prob_max_abs_err": float(jnp.abs(got[1] - ref[1]).max())}
+  return out
+
+
+def main(argv):
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench kernels",
+                              description="Pallas / jax-triton kernels against their XLA references.")
+  p.add_argument("--lengths", default="1024,4096,16384", help="sequence lengths to time (accelerators only)")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--embed-dim", type=int, default=1024, help="confidence head: hidden size")
+  p.add_argument("--vocab", type=int, default=32768, help="confidence head: vocabulary size")
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  p.add_argument("--repeats", type=int, default=5)
+  common.add_output_flags(p)
+  a = p.parse_args(argv)
+  lengths = common.positive_ints(p, "--lengths", a.lengths)
+  for flag in ("batch", "heads", "head_dim", "embed_dim", "vocab", "repeats"):
+    if getattr(a, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+  result = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
+  if kernels.kernel_backend() is None:
+    result.update(timed=False, note="timings need a GPU or TPU; on this backend the kernels' numerics were"
+                                    " checked in Pallas interpret mode instead", numerics=check_numerics())
+  else:
+    result.update(timed=True, dtype=a.dtype, attention=time_attention(lengths, a), confidence_head=time_head(lengths, a))
+  common.emit(result, a)
