@@ -13,7 +13,9 @@ sharding divides and that the step partitions. Then, per device:
 With --compile the step is also compiled for the mesh on as many virtual CPU
 devices, and XLA:CPU's buffer assignment (arguments, outputs, temporaries) is
 printed beside the analytic figures: measured, but for the CPU's fusion and
-scheduling decisions, not the accelerator's. Exits 1, naming the mesh and
+scheduling decisions, not the accelerator's (XLA:CPU does not keep
+rematerialisation: a plain jax.checkpoint chain compiles to the same
+temporaries with and without it). Exits 1, naming the mesh and
 the figures, when a plan does not fit --device-memory.
 """
 
@@ -119,13 +121,15 @@ def like_params(tree, params_abstract, mesh):
 def activation_bytes(cfg, *, micro_batch: int, seq_len: int, sizes: dict, rules: str, layer_param_bytes: int,
                      params_sharded: bool) -> dict:
   """Peak activation memory of one device, from the shapes, assuming XLA frees
-  what it no longer needs. With remat, the backward pass keeps each block's
-  input and recomputes one block at a time; without it every block's
-  intermediates stay alive. One block's working set counts its q, k, v, the
-  f32 attention scores and probabilities (the XLA attention materialises
-  them), the MLP hidden states, and as much again for their gradients. The
-  logits are f32 (logits, log-softmax and their gradient). FSDP gathers one
-  block's weights at a time, twice over so the next gather overlaps."""
+  what it no longer needs. A block keeps for its backward pass its q, k, v and
+  attention output, the f32 attention probabilities (XLA's attention
+  materialises them), the MLP pre-activations and hidden state, and its norm
+  and residual values. With remat only each block's input is kept and the
+  backward recomputes one block at a time; without it every block keeps all
+  of that. The backward of one block holds its kept values, their gradients
+  and the f32 gradients of both the scores and the probabilities. The logits
+  are f32 (logits, log-softmax and their gradient). FSDP gathers one block's
+  f32 weights at a time, twice over so the next gather overlaps."""
   import jax.numpy as jnp
   from mdlm_jax.precision import compute_dtype
   c = jnp.dtype(compute_dtype(cfg.dtype)).itemsize
@@ -138,14 +142,14 @@ def activation_bytes(cfg, *, micro_batch: int, seq_len: int, sizes: dict, rules:
   h, hd, m, v = split(cfg.num_heads), cfg.resolved_head_dim, split(cfg.mlp_dim), split(cfg.vocab_size)
   n_mlp = 2 if cfg.mlp == "swiglu" else 1
   residual = b * L * d * c
-  block = (4 * b * L * h * hd * c  # q, k, v, attention output
-           + 2 * b * h * L * L * 4  # scores and probabilities, f32
-           + (n_mlp + 1) * b * L * m * c  # MLP pre-activations and hidden
-           + 4 * residual)  # norms and the two residual adds
-  working = 2 * block  # forward values and their gradients
-  saved = cfg.num_layers * residual if cfg.remat else cfg.num_layers * block
-  logits = 3 * b * L * v * 4
-  out = {"activations (saved)": saved, "activations (one block + grads)": working, "logits (f32)": logits}
+  scores = b * h * L * L * 4
+  kept = 4 * b * L * h * hd * c + scores + (n_mlp + 1) * b * L * m * c + 4 * residual
+  if cfg.remat:
+    saved, backward = cfg.num_layers * residual, 2 * kept + scores
+  else:
+    saved, backward = cfg.num_layers * kept, kept + scores  # its kept values are already in `saved`
+  out = {"activations kept for backward": saved, "backward of one block": backward,
+         "logits (f32)": 3 * b * L * v * 4}
   if params_sharded:
     out["gathered weights (2 blocks, f32)"] = 2 * layer_param_bytes
   return out
@@ -195,7 +199,7 @@ def plan_one(config, mesh_sizes: dict, *, batch: int, accum: int, rules: str, pl
     step = trainer.make_train_step(spec, objective, optimizer,
                                    trainer.StepConfig(accum, config.optim.ema_decay))
     shardings_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-    jitted = jax.jit(step, out_shardings=(shardings_of(weights), shardings_of(train), None))
+    jitted = jax.jit(step, out_shardings=(shardings_of(weights), shardings_of(train), None), donate_argnums=(0, 1))
     with jax.sharding.use_abstract_mesh(abstract_mesh):
       jitted.trace(weights, train, tokens, key).lower(lowering_platforms=(platform,))
 
@@ -251,7 +255,8 @@ def describe(p: Plan, device_memory: int | None) -> str:
                (f"  of {fmt(device_memory).strip()}: {'fits' if p.total <= device_memory else 'DOES NOT FIT'}"
                 if device_memory else ""))
   if p.measured:
-    lines.append("  XLA:CPU compile for the same mesh (measured; CPU fusion and scheduling)")
+    lines.append("  XLA:CPU compile for the same mesh (measured, but with the CPU's fusion and scheduling: it drops"
+                 " remat and computes parts of bf16 in f32)")
     lines += [f"    {k:<36}{fmt(v)}" for k, v in p.measured.items()]
     peak = p.measured["arguments"] + p.measured["outputs"] - p.measured["aliased"] + p.measured["temporaries"]
     lines.append(f"    {'peak (args + outputs - aliased + temps)':<36}{fmt(peak)}")
