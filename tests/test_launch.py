@@ -146,3 +146,16 @@ def test_slurm_dry_run_prints_the_srun_line():
                       " --config=configs/llada_8b.py '--workdir=/shared/a b'\n")
   header = open(sbatch).read()
   assert "#SBATCH --nodes=" in header and "#SBATCH --ntasks-per-node=1" in header
+
+
+@pytest.mark.slow
+def test_a_process_with_another_config_stops_the_job(tmp_path, tiny_tokenizer_path):
+  train = " ".join(_train_cmd(tmp_path / "w", tiny_tokenizer_path))
+  # Process 1 gets another seed: both fail at startup, naming it, before training a step.
+  cmd = [sys.executable, LAUNCH, "--num-processes", "2", "--", "bash", "-c",
+         f"exec {train} --config.seed=$MDLM_PROCESS_ID"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+  assert r.returncode == 2, r.stdout[-2000:]
+  assert "process(es) [1] see a different config than process 0" in r.stdout
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
