@@ -4,6 +4,14 @@ conditioning off (MDLM's best OWT model is time-independent).
 
 Point data.corpus at the OpenWebText text (a folder, glob or jsonl) and
 data.tokenizer at a sentencepiece model (MDLM uses the GPT-2 BPE, vocab 50257).
+
+Sharding variants (the model is small: plain data parallelism is the default):
+  data parallel over every device (the default):
+    --config.mesh.data=-1
+  FSDP, to shard the parameters, EMA and Adam state as well:
+    --config.mesh.data=1 --config.mesh.fsdp=-1 --config.sharding.rules=fsdp
+  FSDP x 2-way tensor parallelism:
+    --config.mesh.data=1 --config.mesh.fsdp=-1 --config.mesh.tensor=2 --config.sharding.rules=fsdp_tp
 """
 
 from mdlm_jax.config import base_config

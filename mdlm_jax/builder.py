@@ -103,5 +103,6 @@ def _place(path: str, config: ml_collections.ConfigDict, tokenizer: Tokenizer, n
   cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
   spec = model_spec(cfg, mesh)
   host = params_only.unflatten_like(spec.abstract, named, path)
-  params = jax.tree.map(lambda a, s: jax.device_put(a, s), host, spec.shardings)
+  # Every process holds the whole file; each places the slices of its own devices.
+  params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, spec.shardings)
   return LoadedModel(spec, params, tokenizer, config, step, False)

@@ -17,6 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # "pallas": fused kernels on GPU/TPU, the XLA reference elsewhere; "pallas_interpret":
 # the kernels under the Pallas interpreter on any backend (tests only: slow).
 ATTENTION = ("xla", "pallas", "pallas_interpret")
+SHARDING_RULES = ("fsdp", "fsdp_tp")  # tables in mdlm_jax/sharding.py
+MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -60,6 +62,11 @@ def base_config() -> ml_collections.ConfigDict:
   dt.validation_fraction = 0.05
   dt.seq_len = 256
   dt.batch_size = 32  # global batch, summed over processes.
+  # Reader shards the documents are dealt into; each process reads
+  # num_shards / process_count of them. 0: one per process. A fixed value
+  # (dividing every process count you use) makes the global batches the same
+  # whatever the number of processes.
+  dt.num_shards = 0
   dt.shuffle_seed = 0
   dt.tokenizer = ""  # path to a sentencepiece .model; "" trains one into the workdir.
   dt.tokenizer_vocab_size = 4096
@@ -94,11 +101,31 @@ def base_config() -> ml_collections.ConfigDict:
   ms.fsdp = 1
   ms.tensor = 1
 
+  # How logical axes map onto the mesh: "fsdp_tp" (weights over fsdp on embed,
+  # over tensor on heads/mlp/vocab) or "fsdp" (over fsdp only; mesh.tensor=1).
+  c.sharding = sh = ml_collections.ConfigDict()
+  sh.rules = "fsdp_tp"
+
   c.eval = e = ml_collections.ConfigDict()
   e.num_batches = 16
   e.time_samples = 4  # Monte Carlo t samples per sequence for the NELBO.
   e.seed = 1234
   return c
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """'data=2,fsdp=64' -> {"data": 2, "fsdp": 64, "tensor": 1}; axes left out are 1."""
+  try:
+    sizes = {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+  except ValueError:
+    raise ValueError(f"mesh must look like 'data=2,fsdp=4,tensor=2', got {text!r}") from None
+  unknown = sorted(set(sizes) - set(MESH_AXES))
+  if unknown:
+    raise ValueError(f"mesh axes are {', '.join(MESH_AXES)}; got {unknown} in {text!r}")
+  bad = {k: v for k, v in sizes.items() if v < 1}
+  if bad:
+    raise ValueError(f"mesh sizes must be positive, got {bad} in {text!r}")
+  return {a: sizes.get(a, 1) for a in MESH_AXES}
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -191,6 +218,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     v = c.mesh[ax]
     _check(v == -1 or v >= 1, f"mesh.{ax}", f"must be -1 or a positive int, got {v}")
   _check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh", "at most one axis may be -1")
+  _check(dt.num_shards >= 0, "data.num_shards", f"must be >= 0 (0 = one per process), got {dt.num_shards}")
+  rules = c.get("sharding", {}).get("rules", "fsdp_tp")
+  _check(rules in SHARDING_RULES, "sharding.rules", f"must be one of {SHARDING_RULES}, got {rules!r}")
+  if rules == "fsdp":
+    _check(c.mesh.tensor == 1, "mesh.tensor",
+           f"sharding.rules='fsdp' puts nothing on the tensor axis, so it must be 1 (got {c.mesh.tensor});"
+           " use sharding.rules='fsdp_tp' for tensor parallelism")
   _check(c.eval.time_samples >= 1, "eval.time_samples", "must be >= 1")
   _check(c.eval.num_batches >= 1, "eval.num_batches", "must be >= 1")
   return c

@@ -281,30 +281,69 @@ def _check_shape(seq_len: int, batch_size: int):
     raise ValueError(f"batch_size must be positive, got {batch_size}")
 
 
-def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
-                        seq_len: int, batch_size: int, seed: int,
-                        process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
-  """Endless {"tokens": int32 [batch_size, seq_len]} batches for one process.
+class _ShardsIterator(grain.DatasetIterator):
+  """Rows of several reader shards side by side: one batch is the concatenation
+  of each shard's next batch, in shard order."""
 
-  batch_size is per process. Each process reads a disjoint shard of the
-  documents; epochs are reshuffled deterministically from seed. The returned
-  iterator's get_state() is JSON-serializable and set_state() resumes exactly.
-  """
-  _check_shape(seq_len, batch_size)
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
-  if len(documents) < process_count:
-    raise ValueError(
-        f"{len(documents)} documents cannot be sharded over {process_count} "
-        "processes: every process needs at least one")
-  ds = grain.MapDataset.source(documents)[process_index::process_count]
+  def __init__(self, shards: Sequence[grain.DatasetIterator]):
+    super().__init__(list(shards))
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return {"tokens": np.concatenate([next(p)["tokens"] for p in self._parents])}
+
+  def get_state(self) -> dict[str, Any]:
+    return {"shards": [p.get_state() for p in self._parents]}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if len(state.get("shards", ())) != len(self._parents):
+      raise ValueError(f"pipeline state holds {len(state.get('shards', ()))} reader shards, this process"
+                       f" reads {len(self._parents)}: state from another data.num_shards or process count?")
+    for p, s in zip(self._parents, state["shards"]):
+      p.set_state(s)
+
+
+def _shard_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *, seq_len: int, rows: int,
+                    seed: int, shard: int, num_shards: int) -> grain.DatasetIterator:
+  ds = grain.MapDataset.source(documents)[shard::num_shards]
   ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat(None)
   ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
   # In-process, unthreaded reads: deterministic and cheap enough for tokenizing.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  it = _PackIterDataset(it, seq_len).batch(batch_size, drop_remainder=True)
-  return iter(it)
+  return iter(_PackIterDataset(it, seq_len).batch(rows, drop_remainder=True))
+
+
+def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
+                        seq_len: int, batch_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1,
+                        num_shards: int | None = None) -> grain.DatasetIterator:
+  """Endless {"tokens": int32 [batch_size, seq_len]} batches for one process.
+
+  batch_size is per process. The documents are dealt into `num_shards` reader
+  shards (default: one per process), each shuffled by seed and packed on its
+  own; process i reads the i-th contiguous group of num_shards / process_count
+  shards, so it never touches another process's documents. With num_shards
+  fixed, the global batch (the processes' batches in process order) does not
+  depend on how many processes read it. get_state() is JSON-serializable and
+  set_state() resumes exactly.
+  """
+  _check_shape(seq_len, batch_size)
+  num_shards = process_count if num_shards is None else num_shards
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
+  if num_shards < 1 or num_shards % process_count:
+    raise ValueError(f"{num_shards} reader shards cannot be split evenly over {process_count} processes")
+  per_process = num_shards // process_count
+  if batch_size % per_process:
+    raise ValueError(f"a batch of {batch_size} rows per process does not split over its {per_process} reader"
+                     " shards")
+  if len(documents) < num_shards:
+    raise ValueError(
+        f"{len(documents)} documents cannot be sharded over {num_shards} "
+        "reader shards: every shard needs at least one")
+  shards = [_shard_iterator(documents, tokenizer, seq_len=seq_len, rows=batch_size // per_process, seed=seed,
+                            shard=s, num_shards=num_shards)
+            for s in range(process_index * per_process, (process_index + 1) * per_process)]
+  return shards[0] if per_process == 1 else _ShardsIterator(shards)
 
 
 def _token_stream(documents: Sequence[str], tokenizer: TokenizerLike,

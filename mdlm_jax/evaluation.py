@@ -30,9 +30,8 @@ def evaluate(spec: ModelSpec, objective, params, batches: Sequence[np.ndarray], 
   base = jax.random.PRNGKey(seed)
   total, count = 0.0, 0.0
   for i, batch in enumerate(batches):
-    tokens = jnp.asarray(batch, jnp.int32)
-    if mesh is not None:
-      tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
+    batch = np.asarray(batch, np.int32)
+    tokens = jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
     for j in range(samples):
       s, n = step_fn(params, tokens, jax.random.fold_in(jax.random.fold_in(base, i), j))
       total += float(s)

@@ -37,13 +37,11 @@ def parse(argv):
   if not 0 <= a.port <= 65535:
     p.error(f"--port must be in [0, 65535], got {a.port}")
   if a.mesh is not None:
+    from mdlm_jax.config import parse_mesh
     try:
-      a.mesh = {k.strip(): int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
-    except ValueError:
-      p.error(f"--mesh must look like 'data=2,tensor=2', got {a.mesh!r}")
-    unknown = set(a.mesh) - {"data", "fsdp", "tensor"}
-    if unknown:
-      p.error(f"--mesh axes are data, fsdp and tensor; got {sorted(unknown)}")
+      a.mesh = parse_mesh(a.mesh)
+    except ValueError as e:
+      p.error(f"--{e}")
   return a
 
 

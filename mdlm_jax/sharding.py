@@ -18,10 +18,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Logical name -> mesh axis (or tuple of axes, or None = replicated).
-# Weights are sharded over fsdp on their embed dim and over tensor on their
-# heads/mlp/vocab dim; the batch goes over data and fsdp together.
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+# Logical name -> mesh axis (or tuple of axes, or None = replicated), one
+# table per strategy (config.sharding.rules). The batch always goes over data
+# and fsdp together.
+#
+# "fsdp": ZeRO-3 style. Every weight is sharded over fsdp on its embed dim and
+# gathered layer by layer inside the step; activations are sharded only by
+# batch. The tensor axis carries nothing, so it must have size 1.
+FSDP_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+    ("cond", None),
+    ("act_embed", None),
+    ("act_heads", None),
+    ("act_mlp", None),
+    ("act_vocab", None),
+)
+# "fsdp_tp": FSDP plus Megatron-style tensor parallelism. Weights are also
+# sharded over tensor on their heads/mlp/vocab dim, and so are the attention,
+# MLP and logit activations; the residual stream stays whole within a tensor
+# group (one all-reduce after attention and after the MLP).
+FSDP_TP_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("embed", "fsdp"),
@@ -37,6 +59,17 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
+RULES = {"fsdp": FSDP_RULES, "fsdp_tp": FSDP_TP_RULES}
+DEFAULT_RULES = FSDP_TP_RULES  # with tensor=1 it is plain FSDP (or plain data parallelism with fsdp=1)
+
+
+def rules_of(config) -> tuple:
+  """The rules table a config names (config.sharding.rules; "fsdp_tp" when absent)."""
+  name = config.get("sharding", {}).get("rules", "fsdp_tp")
+  if name not in RULES:
+    raise ValueError(f"config.sharding.rules must be one of {sorted(RULES)}, got {name!r}")
+  return RULES[name]
+
 
 _rules = contextvars.ContextVar("mdlm_jax_axis_rules", default=DEFAULT_RULES)
 
@@ -148,6 +181,14 @@ def param_shardings(state, mesh: Mesh):
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))
+
+
+def global_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A host batch that every process holds in full, as one array sharded over
+  the batch axes: each process places only the rows of its own devices, so it
+  also works when the mesh spans several processes (device_put does not)."""
+  sh = batch_sharding(mesh, batch.ndim)
+  return jax.make_array_from_callback(batch.shape, sh, lambda index: batch[index])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -6,14 +6,11 @@ Trains an MDLM (or its AR twin), resuming from DIR when it holds a checkpoint.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mdlm_jax import cli
+from mdlm_jax import cli, distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/NAME.py)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "host:port of process 0 for a multi-process run (else auto-detected)")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in a multi-process run")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index in a multi-process run")
+_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID = distributed.define_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -22,7 +19,7 @@ def main(argv):
     cli.fail("train", ValueError(f"unexpected arguments {argv[1:]}"))
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   cli.drop_closed_loop_noise()
-  from mdlm_jax import distributed, runtime, trainer
+  from mdlm_jax import runtime, trainer
   c = _CONFIG.value
   multi = distributed.wanted(_COORDINATOR.value, _NUM_PROCESSES.value)
   if not multi:

@@ -173,8 +173,17 @@ def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str):
                       spec.shardings)
 
 
+def num_reader_shards(config) -> int:
+  return config.data.num_shards or jax.process_count()
+
+
 def check_batch_layout(config, mesh) -> None:
   b, accum = config.data.batch_size, config.optim.grad_accum_steps
+  shards, procs = num_reader_shards(config), jax.process_count()
+  if shards % procs:
+    raise config_lib.ConfigError(f"config.data.num_shards={shards} is not divisible by {procs} processes")
+  if b % shards:
+    raise config_lib.ConfigError(f"config.data.batch_size={b} is not divisible by data.num_shards={shards}")
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   if b % accum:
     raise config_lib.ConfigError(f"config.data.batch_size={b} is not divisible by optim.grad_accum_steps={accum}")
@@ -206,6 +215,12 @@ def _same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) in `workdir`; returns the final metrics."""
   config_lib.validate(config)
+  distributed.check_same("config", config.to_json_best_effort(sort_keys=True))
+  with sharding.axis_rules(sharding.rules_of(config)):
+    return _train(config, workdir)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
   mesh = sharding.make_mesh(config.mesh)
@@ -234,7 +249,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   local_batch = config.data.batch_size // jax.process_count()
   it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
                                 seed=config.data.shuffle_seed, process_index=jax.process_index(),
-                                process_count=jax.process_count())
+                                process_count=jax.process_count(), num_shards=num_reader_shards(config))
   with jax.set_mesh(mesh):
     params = init_params(spec, config.seed) if init is None else init_from_weights(init, spec, config.train.init_from)
     if init is not None:
@@ -301,8 +316,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t_last, step_last = time.perf_counter(), step
     t_start, step_start = t_last, step
     compiled_at = None
+
+    def stop_agreed(stop: Stop) -> bool:
+      # Every process must leave the loop at the same step (the save and the
+      # step are collectives); they agree at log steps, where the host waits anyway.
+      if jax.process_count() == 1:
+        return stop.requested
+      return step % config.train.log_every == 0 and distributed.any_process(stop.requested)
+
+    stopping = False
     with Stop() as stop:
-      while step < config.train.num_steps and not stop.requested:
+      while step < config.train.num_steps and not stopping:
         batch = next(it)["tokens"]
         tokens = jax.make_array_from_process_local_data(batch_sharding, np.asarray(batch, np.int32))
         weights, train_state, m = step_fn(weights, train_state, tokens, base_key)
@@ -337,9 +361,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
           save(step)
         if config.train.eval_every and step % config.train.eval_every == 0 and step < config.train.num_steps:
           run_eval(step)  # the last step is evaluated once, below
+        stopping = stop_agreed(stop)
       t_end = time.perf_counter()
       save(step)
-      if stop.requested:
+      if stopping:
         log(f"saved checkpoint at step {step} in {workdir}; run the same command to resume")
         ckpt.close()
         return {"interrupted": True, "step": step, **last}

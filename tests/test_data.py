@@ -197,6 +197,25 @@ def test_process_shards_are_disjoint(tok):
     _iter(docs, tok, process_index=2, process_count=2)
 
 
+def test_fixed_reader_shards_give_the_same_global_batch_for_any_process_count(small_docs, tok):
+  """With data.num_shards fixed, the processes' batches side by side (process
+  order, as the batch sharding places them) are the one-process batch."""
+  one = _take(data.make_train_iterator(small_docs, tok, seq_len=SEQ, batch_size=BATCH, seed=3, num_shards=2), 5)
+  two = [_take(data.make_train_iterator(small_docs, tok, seq_len=SEQ, batch_size=BATCH // 2, seed=3,
+                                        process_index=i, process_count=2, num_shards=2), 5) for i in range(2)]
+  for k in range(5):
+    np.testing.assert_array_equal(one[k], np.concatenate([two[0][k], two[1][k]]))
+  # The two-shard iterator of one process also resumes exactly from its JSON state.
+  it = data.make_train_iterator(small_docs, tok, seq_len=SEQ, batch_size=BATCH, seed=3, num_shards=2)
+  _take(it, 2)
+  fresh = data.make_train_iterator(small_docs, tok, seq_len=SEQ, batch_size=BATCH, seed=3, num_shards=2)
+  fresh.set_state(json.loads(json.dumps(it.get_state())))
+  np.testing.assert_array_equal(_take(fresh, 3), one[2:])
+  with pytest.raises(ValueError, match="3 reader shards cannot be split evenly over 2"):
+    data.make_train_iterator(small_docs, tok, seq_len=SEQ, batch_size=BATCH, seed=3, process_count=2,
+                             num_shards=3)
+
+
 def test_state_json_round_trip_resumes_exactly(small_docs, tok):
   reference = _take(_iter(small_docs, tok, seed=7), 40)
   for k in (0, 1, 13, 29):  # mid-document and across epoch boundaries.

@@ -1,5 +1,7 @@
 """The same train step on a 4-device mesh (data x tensor, and fsdp) equals the 1-device step."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -19,15 +21,16 @@ def mesh_of(data, fsdp, tensor, n):
                             jax.devices()[:n])
 
 
-def run_steps(mesh, tokens, accum=1, n_steps=2, cfg=CFG, objective=None):
+def run_steps(mesh, tokens, accum=1, n_steps=2, cfg=CFG, objective=None, rules="fsdp_tp"):
   optim = ml_collections.ConfigDict(dict(learning_rate=1e-2, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.1,
                                          b1=0.9, b2=0.98, eps=1e-5, grad_clip=1.0))
   objective = objective or objectives.MDLMObjective(diffusion.Schedule("loglinear", 1e-3), mask_id=3,
                                                    time_conditioning=True)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), sharding.axis_rules(sharding.RULES[rules]):
     spec = model_spec(cfg, mesh)
     params = init_params(spec, seed=7)
-    shard_specs = {"wq": params["blocks"][0]["attn"]["wq"].sharding.spec, "head": params["head"].sharding.spec}
+    shard_specs = {"wq": params["blocks"][0]["attn"]["wq"].sharding.spec, "head": params["head"].sharding.spec,
+                   "w_up": params["blocks"][0]["mlp"]["w_up"].sharding.spec}
     optimizer, _ = trainer.make_optimizer(optim, 10)
     weights = {"params": params, "ema": jax.tree.map(jnp.copy, params)}
     state = {"step": jnp.zeros((), jnp.int32), "opt_state": jax.jit(optimizer.init)(params)}
@@ -49,7 +52,9 @@ def single_device_reference(tokens):
   return _REF["ref"]
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 2), pytest.param((1, 2, 2), marks=pytest.mark.slow)])
+# Slow: the default run checks tensor parallelism on the tiny model below.
+@pytest.mark.parametrize("layout", [pytest.param((2, 1, 2), marks=pytest.mark.slow),
+                                    pytest.param((1, 2, 2), marks=pytest.mark.slow)])
 def test_sharded_step_matches_single_device(layout):
   if len(jax.devices()) < 4:
     pytest.skip("needs 4 host devices (tests/conftest.py sets XLA_FLAGS)")
@@ -66,11 +71,44 @@ def test_sharded_step_matches_single_device(layout):
   assert specs["head"] == jax.sharding.PartitionSpec("fsdp", None)
 
 
+@pytest.mark.parametrize("rules,layout", [("fsdp_tp", (1, 2, 2)),
+                                          pytest.param("fsdp", (1, 4, 1), marks=pytest.mark.slow)])
+def test_named_rules_on_the_tiny_model_match_single_device(rules, layout):
+  """configs/tiny.py's network (vocab 96, so the head shards over tensor too)
+  trained under config.sharding.rules on 4 devices equals one device."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 host devices (tests/conftest.py sets XLA_FLAGS)")
+  from conftest import load_config
+  cfg = ModelConfig.from_config(load_config("tiny").model, vocab_size=96)
+  cfg = dataclasses.replace(cfg, tie_embeddings=False)
+  objective = objectives.MDLMObjective(diffusion.Schedule("loglinear", 1e-3), mask_id=3, time_conditioning=False)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 96, (8, 16)), jnp.int32)
+  ref_losses, ref_weights, _ = run_steps(mesh_of(1, 1, 1, 1), tokens, cfg=cfg, objective=objective)
+  losses, weights, specs = run_steps(mesh_of(*layout, 4), tokens, cfg=cfg, objective=objective, rules=rules)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), weights, ref_weights)
+  P = jax.sharding.PartitionSpec
+  tensor = "tensor" if rules == "fsdp_tp" else None
+  assert specs["wq"] == P("fsdp", tensor, None)
+  assert specs["w_up"] == P("fsdp", tensor)
+  assert specs["head"] == P("fsdp", tensor)
+
+
+def test_fsdp_rules_refuse_a_tensor_axis(tiny_config):
+  from mdlm_jax import config as config_lib
+  tiny_config.sharding.rules = "fsdp"
+  tiny_config.mesh.tensor = 2
+  with pytest.raises(config_lib.ConfigError, match="mesh.tensor.*rules='fsdp'"):
+    config_lib.validate(tiny_config)
+  tiny_config.sharding.rules = "zero"
+  with pytest.raises(config_lib.ConfigError, match="sharding.rules"):
+    config_lib.validate(tiny_config)
+
+
 @pytest.mark.slow
 def test_grad_accumulation_matches_full_batch():
   """The AR loss is deterministic, so 2 micro-batches must reproduce the
   full-batch loss and update exactly (up to float reassociation)."""
-  import dataclasses
   cfg = dataclasses.replace(CFG, causal=True, time_conditioning=False)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, (8, 16)), jnp.int32)
   mesh = mesh_of(1, 1, 1, 1)
