@@ -9,7 +9,6 @@ batches are split over one mesh of all their devices; process 0 prints.
 """
 
 import json
-import sys
 
 from absl import app, flags, logging
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 
 from mdlm_jax import diffusion, sharding
 from mdlm_jax.builder import ModelSpec, bind
-from mdlm_jax.objectives import ARObjective, MDLMObjective
+from mdlm_jax.objectives import MDLMObjective
 
 
 def make_eval_step(spec: ModelSpec, objective):

@@ -9,7 +9,6 @@ import math
 import os
 import signal
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp

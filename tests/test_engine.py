@@ -4,7 +4,6 @@ per-request settings in one batch, drafts, cancellation, a mesh."""
 import time
 
 import jax
-import numpy as np
 import pytest
 
 from mdlm_jax import builder, sharding

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mdlm_jax import kernels, objectives
+from mdlm_jax import objectives
 from mdlm_jax.diffusion import Schedule
 from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.sampling.samplers import Layout, ThresholdSampler, block_causal_mask

@@ -18,13 +18,11 @@ The two confidence samplers decode semi-autoregressively when `block_size`
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import jax
 import jax.experimental
 import jax.numpy as jnp
-import numpy as np
 
 from mdlm_jax import kernels
 from mdlm_jax.diffusion import NEG_INF, Schedule
