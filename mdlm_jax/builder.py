@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 
 from mdlm_jax import checkpoint, params_only, sharding
 from mdlm_jax.model import ModelConfig, Transformer
-from mdlm_jax.tokenizer import Tokenizer
+from mdlm_jax.hf_tokenizer import HFTokenizer
+from mdlm_jax.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ def bind(spec: ModelSpec, params) -> Transformer:
 class LoadedModel:
   spec: ModelSpec
   params: Any
-  tokenizer: Tokenizer
+  tokenizer: Tokenizer | HFTokenizer
   config: ml_collections.ConfigDict
   step: int
   has_ema: bool
@@ -66,7 +67,7 @@ class LoadedModel:
 def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
   """Loads a training checkpoint (EMA weights when present), a params-only
   folder (`params_only`) or a LLaDA/Dream-layout folder with a sentencepiece
-  tokenizer.model (`interop`) for inference.
+  tokenizer.model or a Hugging Face tokenizer.json (`interop`) for inference.
 
   The checkpoint may come from any mesh; it is resharded onto `mesh` (by
   default one device)."""
@@ -80,7 +81,7 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
     return _place(path, config, tokenizer, named, step, mesh)
   meta, root, step = checkpoint.read_meta(path)
   config = checkpoint.meta_config(meta)
-  tokenizer = Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(meta))
+  tokenizer = load_tokenizer_bytes(checkpoint.meta_tokenizer_bytes(meta))
   cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
   spec = model_spec(cfg, mesh)
   abstract = checkpoint.abstract_like(spec.abstract, spec.shardings)
@@ -92,12 +93,12 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
 
 
 def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
-  meta, tok_bytes, named = params_only.read(path)
+  meta, tokenizer, named = params_only.read(path)
   config = ml_collections.ConfigDict(meta["config"])
-  return _place(path, config, Tokenizer.from_bytes(tok_bytes), named, int(meta.get("step", 0)), mesh)
+  return _place(path, config, tokenizer, named, int(meta.get("step", 0)), mesh)
 
 
-def _place(path: str, config: ml_collections.ConfigDict, tokenizer: Tokenizer, named, step: int,
+def _place(path: str, config: ml_collections.ConfigDict, tokenizer: Tokenizer | HFTokenizer, named, step: int,
            mesh: Mesh) -> LoadedModel:
   """Named host arrays -> params sharded onto `mesh`, checked against the config's shapes."""
   cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)

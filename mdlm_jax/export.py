@@ -1,7 +1,7 @@
 """python -m mdlm_jax.export --checkpoint=DIR --out=DIR [--format native|llada|dream] [--dtype bfloat16]
 
 Writes a checkpoint's inference weights (the EMA when the run kept one) as
-params-only safetensors: our own layout (native: config.json, tokenizer.model,
+params-only safetensors: our own layout (native: config.json, tokenizer.model or .json,
 model.safetensors) or the Hugging Face layout of LLaDA or Dream (mdlm_jax/
 interop.py has the name table). With --import it goes the other way: a
 LLaDA/Dream-layout folder becomes a native one. Every command that takes
@@ -35,7 +35,8 @@ def parse(argv):
   p.add_argument("--import", dest="import_", action="store_true",
                  help="convert a LLaDA/Dream-layout --checkpoint into a native params-only --out")
   p.add_argument("--tokenizer", default="",
-                 help="with --import: the sentencepiece .model to use (default: --checkpoint/tokenizer.model)")
+                 help="with --import: the tokenizer to use, a sentencepiece .model or a Hugging Face .json"
+                      " (default: --checkpoint/tokenizer.model, else --checkpoint/tokenizer.json)")
   p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="stored weight dtype")
   p.add_argument("--max-shard-size", default="5GB",
                  help="split the weights into model-0000i-of-0000n.safetensors shards past this size")
@@ -57,7 +58,7 @@ def _import(a, max_shard: int) -> tuple[str, int]:
   config, tok, named, step = interop.read(a.checkpoint, a.tokenizer or None)
   spec = builder.model_spec(ModelConfig.from_config(config.model, vocab_size=tok.vocab_size), None)
   params = params_only.unflatten_like(spec.abstract, named, a.checkpoint)
-  out = params_only.save(a.out, params, config, tok.to_bytes(), step=step, dtype=a.dtype, overwrite=a.overwrite,
+  out = params_only.save(a.out, params, config, tok, step=step, dtype=a.dtype, overwrite=a.overwrite,
                          max_shard_bytes=max_shard, extra={"weights": f"imported from {fmt}",
                                                            "objective": config.objective})
   return out, step
@@ -75,7 +76,7 @@ def _export(a, max_shard: int) -> tuple[str, int]:
     out = interop.save(a.out, a.format, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
                        dtype=a.dtype, max_shard_bytes=max_shard, overwrite=a.overwrite)
     return out, loaded.step
-  out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer.to_bytes(), step=loaded.step,
+  out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
                          dtype=a.dtype, overwrite=a.overwrite, max_shard_bytes=max_shard,
                          extra={"weights": "ema" if loaded.has_ema and not a.no_ema else "params",
                                 "objective": loaded.config.objective})

@@ -17,6 +17,8 @@ What does not map, and what happens:
 config.json carries the special token ids (mask_token_id among them) and, under
 "mdlm_jax", our whole training config, so a round trip keeps the diffusion
 settings (schedule, block size) that the Hugging Face keys cannot hold.
+The tokenizer is a sentencepiece tokenizer.model (ours) or a Hugging Face
+tokenizer.json (the published checkpoints'), whose special ids are config.json's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jaxtyping import Float
 
 from mdlm_jax import config as config_lib, params_only, safetensors
 from mdlm_jax.model import ModelConfig
+from mdlm_jax.hf_tokenizer import HFTokenizer
 from mdlm_jax.tokenizer import Tokenizer
 
 FORMATS = ("llada", "dream")
@@ -140,12 +143,8 @@ def _check_exportable(fmt: str, cfg: ModelConfig):
                        f" ({cfg.embed_dim} / {cfg.num_heads})")
 
 
-def _special_ids(tok: Tokenizer) -> dict[str, int]:
-  return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
-          "mask_token_id": tok.mask_id}
-
-
-def hf_config(fmt: str, cfg: ModelConfig, config: ml_collections.ConfigDict, tok: Tokenizer, *, step: int,
+def hf_config(fmt: str, cfg: ModelConfig, config: ml_collections.ConfigDict, tok: Tokenizer | HFTokenizer, *,
+              step: int,
               dtype: str) -> dict[str, Any]:
   """config.json of the `fmt` layout; unknown keys ("mdlm_jax") are ignored by transformers."""
   seq_len = int(config.data.seq_len)
@@ -169,7 +168,7 @@ def hf_config(fmt: str, cfg: ModelConfig, config: ml_collections.ConfigDict, tok
           "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": False,
           "vocab_size": cfg.vocab_size, "max_position_embeddings": seq_len, "use_sliding_window": False,
           "sliding_window": None, "attention_dropout": 0.0, "use_cache": False}
-  return {**hf, **_special_ids(tok), "torch_dtype": dtype, "mdlm_jax": native}
+  return {**hf, **tok.special_ids(), "torch_dtype": dtype, "mdlm_jax": native}
 
 
 def to_hf(fmt: str, params: Any, cfg: ModelConfig) -> dict[str, Float[np.ndarray, "..."]]:
@@ -198,20 +197,23 @@ def _layer_order(name: str) -> tuple[int, str]:
   return -1, name
 
 
-def tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
-  """tokenizer_config.json: which pieces and ids are special (the model itself is tokenizer.model)."""
-  pieces = {name: tok.piece(i) for name, i in
-            (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.pad_id),
-             ("mask_token", tok.mask_id), ("unk_token", tok.unk_id))}
-  return {"tokenizer_file": "tokenizer.model", "tokenizer_kind": "sentencepiece", **pieces,
-          **_special_ids(tok), "unk_token_id": tok.unk_id, "add_bos_token": False, "add_eos_token": False}
+def tokenizer_config(tok: Tokenizer | HFTokenizer) -> dict[str, Any]:
+  """tokenizer_config.json: which pieces and ids are special (the model itself is tok.file())."""
+  ids = {**tok.special_ids(), **({"unk_token_id": tok.unk_id} if tok.unk_id >= 0 else {})}
+  pieces = {name[:-3]: tok.piece(i) for name, i in ids.items()}
+  if isinstance(tok, HFTokenizer):  # what transformers' AutoTokenizer needs to load tokenizer.json
+    kind = {"tokenizer_class": "PreTrainedTokenizerFast", "tokenizer_kind": "huggingface"}
+  else:
+    kind = {"tokenizer_file": "tokenizer.model", "tokenizer_kind": "sentencepiece"}
+  return {**kind, **{k: v for k, v in pieces.items() if v}, **ids, "add_bos_token": False, "add_eos_token": False}
 
 
-def save(out: str, fmt: str, params: Any, config: ml_collections.ConfigDict, tok: Tokenizer, *, step: int,
+def save(out: str, fmt: str, params: Any, config: ml_collections.ConfigDict, tok: Tokenizer | HFTokenizer, *,
+         step: int,
          dtype: str = "bfloat16", max_shard_bytes: int = params_only.DEFAULT_MAX_SHARD,
          overwrite: bool = False) -> str:
   """Writes `out` in the `fmt` layout, atomically: safetensors (sharded past
-  `max_shard_bytes`), config.json, tokenizer.model and tokenizer_config.json."""
+  `max_shard_bytes`), config.json, tokenizer.model or tokenizer.json, and tokenizer_config.json."""
   if dtype not in params_only.DTYPES:
     raise ValueError(f"dtype must be one of {params_only.DTYPES}, got {dtype!r}")
   cfg = ModelConfig.from_config(config.model, vocab_size=tok.vocab_size)
@@ -219,8 +221,9 @@ def save(out: str, fmt: str, params: Any, config: ml_collections.ConfigDict, tok
   tensors = {k: v.astype(np_dtype) for k, v in to_hf(fmt, params, cfg).items()}
   with params_only.atomic_folder(out, overwrite) as tmp:
     safetensors.save_folder(tmp, tensors, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
-    with open(os.path.join(tmp, "tokenizer.model"), "wb") as f:
-      f.write(tok.to_bytes())
+    name, data = tok.file()
+    with open(os.path.join(tmp, name), "wb") as f:
+      f.write(data)
     for name, obj in (("config.json", hf_config(fmt, cfg, config, tok, step=step, dtype=dtype)),
                       ("tokenizer_config.json", tokenizer_config(tok))):
       with open(os.path.join(tmp, name), "w") as f:
@@ -292,17 +295,21 @@ def _model_fields(fmt: str, hf: dict, tensors: dict, source: str) -> tuple[dict,
   return dict(fields, mlp="swiglu", causal=False, time_conditioning=False, vocab_size=-1), head_is_embedding
 
 
-def _tokenizer(path: str, tokenizer_path: str | None, hf: dict) -> Tokenizer:
-  if tokenizer_path:
-    tok = Tokenizer.from_file(tokenizer_path)
-  elif os.path.isfile(os.path.join(path, "tokenizer.model")):
-    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.model"))
-  elif os.path.isfile(os.path.join(path, "tokenizer.json")):
-    raise InteropError(f"{path} has a Hugging Face tokenizer.json, and mdlm_jax reads sentencepiece models only:"
-                       " pass --tokenizer=PATH.model (a sentencepiece model with a [MASK] control piece and"
-                       " this checkpoint's token ids)")
-  else:
-    raise InteropError(f"{path} has no tokenizer.model; pass --tokenizer=PATH.model")
+def _tokenizer(fmt: str, path: str, tokenizer_path: str | None, hf: dict) -> Tokenizer | HFTokenizer:
+  """--tokenizer (a .model, or a .json read like the folder's), else the folder's tokenizer.model,
+  else its tokenizer.json with the special ids of config.json / tokenizer_config.json."""
+  if not tokenizer_path:
+    tokenizer_path = next((os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
+                           if os.path.isfile(os.path.join(path, n))), None)
+    if tokenizer_path is None:
+      raise InteropError(f"{path} has no tokenizer.model or tokenizer.json; pass --tokenizer=PATH")
+  if tokenizer_path.endswith(".json"):
+    rows = hf.get("embedding_size") if fmt == "llada" else None
+    try:
+      return HFTokenizer.from_hf_folder(path, hf, tokenizer_path, vocab_size=rows or hf.get("vocab_size"))
+    except ValueError as e:
+      raise InteropError(str(e)) from None
+  tok = Tokenizer.from_file(tokenizer_path)
   want = hf.get("mask_token_id")
   if want is not None and want != tok.mask_id:
     raise InteropError(f"{path}: config.json has mask_token_id={want} but the tokenizer's [MASK] is {tok.mask_id}")
@@ -310,7 +317,7 @@ def _tokenizer(path: str, tokenizer_path: str | None, hf: dict) -> Tokenizer:
 
 
 def read(path: str, tokenizer_path: str | None = None
-         ) -> tuple[ml_collections.ConfigDict, Tokenizer, dict[str, Float[np.ndarray, "..."]], int]:
+         ) -> tuple[ml_collections.ConfigDict, Tokenizer | HFTokenizer, dict[str, Float[np.ndarray, "..."]], int]:
   """(our config, tokenizer, named float32 native params, step) of a LLaDA/Dream folder.
 
   Every tensor is checked: a missing, unexpected or mis-shaped one is an
@@ -334,7 +341,7 @@ def read(path: str, tokenizer_path: str | None = None
   drop_bias = fmt == "dream" and fields["qkv_bias"] and config.model.get("qkv_bias", True) is False
   config.model.update(fields)
   config_lib.validate(config)
-  tok = _tokenizer(path, tokenizer_path, hf)
+  tok = _tokenizer(fmt, path, tokenizer_path, hf)
   cfg = ModelConfig.from_config(config.model, vocab_size=tok.vocab_size)
   shapes = _native_shapes(cfg)
   if head_is_embedding and "head" in shapes:

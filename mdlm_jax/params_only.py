@@ -2,7 +2,9 @@
 
 A folder with three kinds of file, each readable without this package:
   config.json        {"format", "version", "step", "dtype", "config", ...}
-  tokenizer.model    the sentencepiece model proto
+  tokenizer.model    the sentencepiece model proto, or
+  tokenizer.json     a Hugging Face tokenizer (an imported LLaDA/Dream model's); its special
+                     ids and the vocab size are config.json's "tokenizer" entry (version 2)
   model.safetensors  one tensor per parameter, named by its path ("blocks.0.attn.wq"),
                      or, past --max-shard-size, model-0000i-of-0000n.safetensors shards
                      with a model.safetensors.index.json (the Hugging Face layout)
@@ -25,11 +27,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from mdlm_jax import safetensors
+from mdlm_jax import hf_tokenizer, safetensors
+from mdlm_jax.hf_tokenizer import HFTokenizer
+from mdlm_jax.tokenizer import Tokenizer
 
 FORMAT = "mdlm_jax.params"
-VERSION = 1
-FILES = ("config.json", "tokenizer.model")  # plus the weights: one safetensors file or an index of shards
+VERSION = 2  # 2: tokenizer.json folders; sentencepiece ones are still written as 1
 DEFAULT_MAX_SHARD = 5 * 10**9
 DTYPES = ("float32", "bfloat16")
 
@@ -105,7 +108,7 @@ def unflatten_like(abstract: Any, named: dict[str, np.ndarray], source: str) -> 
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer_bytes: bytes, *, step: int,
+def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer: Tokenizer | HFTokenizer, *, step: int,
          dtype: str = "bfloat16", extra: dict | None = None, overwrite: bool = False,
          max_shard_bytes: int = DEFAULT_MAX_SHARD) -> str:
   """Writes the folder `out` atomically; returns its path."""
@@ -115,21 +118,23 @@ def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer_byt
   tensors = {k: np.asarray(jax.device_get(v)).astype(np_dtype) for k, v in flatten(params).items()}
   with atomic_folder(out, overwrite) as tmp:
     safetensors.save_folder(tmp, tensors, max_shard_bytes=max_shard_bytes, metadata={"format": FORMAT})
-    with open(os.path.join(tmp, "tokenizer.model"), "wb") as f:
-      f.write(tokenizer_bytes)
-    meta = {"format": FORMAT, "version": VERSION, "step": int(step), "dtype": dtype,
+    name, data = tokenizer.file()
+    with open(os.path.join(tmp, name), "wb") as f:
+      f.write(data)
+    hf = isinstance(tokenizer, HFTokenizer)
+    meta = {"format": FORMAT, "version": VERSION if hf else 1, "step": int(step), "dtype": dtype,
             "num_params": int(sum(a.size for a in tensors.values())),
-            "config": json.loads(config.to_json_best_effort()), **(extra or {})}
+            "config": json.loads(config.to_json_best_effort()), **(extra or {}),
+            **({"tokenizer": {"file": name, **tokenizer.meta()}} if hf else {})}
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(meta, f, indent=1, sort_keys=True)
   return os.path.abspath(out)
 
 
-def read(path: str) -> tuple[dict, bytes, dict[str, np.ndarray]]:
-  """(meta from config.json, tokenizer bytes, named float32 arrays)."""
-  for name in FILES:
-    if not os.path.isfile(os.path.join(path, name)):
-      raise ParamsFileError(f"{path}: params-only checkpoint lacks {name}")
+def read(path: str) -> tuple[dict, Tokenizer | HFTokenizer, dict[str, np.ndarray]]:
+  """(meta from config.json, tokenizer, named float32 arrays)."""
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise ParamsFileError(f"{path}: params-only checkpoint lacks config.json")
   try:
     with open(os.path.join(path, "config.json")) as f:
       meta = json.load(f)
@@ -140,8 +145,16 @@ def read(path: str) -> tuple[dict, bytes, dict[str, np.ndarray]]:
   if meta.get("version", 0) > VERSION:
     raise ParamsFileError(f"{path}: format version {meta['version']} is newer than this package reads"
                           f" ({VERSION}); upgrade mdlm_jax")
-  with open(os.path.join(path, "tokenizer.model"), "rb") as f:
-    tok = f.read()
+  tok_meta = meta.get("tokenizer")
+  name = tok_meta.get("file") if isinstance(tok_meta, dict) else "tokenizer.model"
+  if name not in ("tokenizer.model", hf_tokenizer.FILE):
+    raise ParamsFileError(f"{path}/config.json: unknown tokenizer file {name!r}")
+  if not os.path.isfile(os.path.join(path, name)):
+    raise ParamsFileError(f"{path}: params-only checkpoint lacks {name}")
+  if name == hf_tokenizer.FILE:
+    tok = HFTokenizer.from_file(os.path.join(path, name), tok_meta)
+  else:
+    tok = Tokenizer.from_file(os.path.join(path, name))
   if not safetensors.has_weights(path):
     raise ParamsFileError(f"{path}: params-only checkpoint lacks model.safetensors")
   tensors, _ = safetensors.load_folder(path)

@@ -20,15 +20,22 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import sentencepiece as spm
+
+if TYPE_CHECKING:
+  from mdlm_jax.hf_tokenizer import HFTokenizer
 
 MASK_PIECE = "[MASK]"
 _SPACE_MARK = "\u2581"  # sentencepiece's stand-in for " ".
 _META_PIECES = 5  # <unk> <s> </s> <pad> [MASK]
 _MIN_VOCAB = _META_PIECES + 256 + 16  # bytes must fit, plus a few characters.
 _CHUNK_CHARS = 2048  # training "sentence" size; whole lines where possible.
+# Leads HFTokenizer.to_bytes(), so a checkpoint's tokenizer blob says which backend it is
+# (a sentencepiece proto never starts with it: its first byte is a field tag, 0x0a).
+HF_MAGIC = b"mdlm_jax.hf_tokenizer\n"
 
 _TRAINER_OPTIONS = dict(
     model_type="bpe",  # trains 20M characters in seconds; unigram took ~40x longer.
@@ -61,11 +68,36 @@ _TRAINER_OPTIONS = dict(
 )
 
 
+def checked_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+  """ids as a 1-D int64 array, or a ValueError naming the first bad one."""
+  ids = np.asarray(ids)
+  if ids.ndim != 1:
+    raise ValueError(f"decode takes a 1-D id sequence, got shape {ids.shape}")
+  if ids.size and not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"decode takes integer ids, got dtype {ids.dtype}")
+  ids = ids.astype(np.int64)
+  bad = ids[(ids < 0) | (ids >= vocab_size)]
+  if bad.size:
+    raise ValueError(f"token id {int(bad[0])} is outside the vocab [0, {vocab_size})")
+  return ids
+
+
+def load_bytes(data: bytes) -> Tokenizer | HFTokenizer:
+  """Either backend from its to_bytes(): checkpoints keep one tokenizer blob, and the
+  HFTokenizer one starts with HF_MAGIC."""
+  if bytes(data[:len(HF_MAGIC)]) == HF_MAGIC:
+    from mdlm_jax.hf_tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
+    return HFTokenizer.from_bytes(bytes(data))
+  return Tokenizer.from_bytes(data)
+
+
 class Tokenizer:
   """sentencepiece model with the special ids the diffusion model needs."""
 
   def __init__(self, proto: bytes, source: str = "<bytes>"):
     self._proto = bytes(proto)
+    if self._proto.startswith(HF_MAGIC):
+      raise ValueError(f"{source}: holds a Hugging Face tokenizer.json; load it with tokenizer.load_bytes")
     self._sp = spm.SentencePieceProcessor()
     try:
       self._sp.LoadFromSerializedProto(self._proto)
@@ -100,6 +132,14 @@ class Tokenizer:
   def to_bytes(self) -> bytes:
     """The serialized model proto, for embedding in checkpoints."""
     return self._proto
+
+  def file(self) -> tuple[str, bytes]:
+    """(file name, contents) of the tokenizer in a checkpoint folder."""
+    return "tokenizer.model", self._proto
+
+  def special_ids(self) -> dict[str, int]:
+    return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id, "pad_token_id": self.pad_id,
+            "mask_token_id": self.mask_id}
 
   def __reduce__(self):  # SentencePieceProcessor does not pickle by itself.
     return (Tokenizer.from_bytes, (self._proto,))
@@ -144,15 +184,7 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Text of a 1-D id sequence; special ids (bos/eos/pad/mask/unk) vanish."""
-    ids = np.asarray(ids)
-    if ids.ndim != 1:
-      raise ValueError(f"decode takes a 1-D id sequence, got shape {ids.shape}")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-      raise ValueError(f"decode takes integer ids, got dtype {ids.dtype}")
-    ids = ids.astype(np.int64)
-    bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-    if bad.size:
-      raise ValueError(f"token id {int(bad[0])} is outside the vocab [0, {self.vocab_size})")
+    ids = checked_ids(ids, self.vocab_size)
     return self._sp.decode(ids[~np.isin(ids, self._special)].tolist())
 
   def piece(self, token_id: int) -> str:

@@ -18,9 +18,10 @@ import optax
 
 from mdlm_jax import builder, checkpoint, config as config_lib, data, distributed, evaluation, flops, objectives, sharding
 from mdlm_jax.builder import LoadedModel, ModelSpec, bind, init_params, model_spec
+from mdlm_jax.hf_tokenizer import HFTokenizer
 from mdlm_jax.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
-from mdlm_jax.tokenizer import Tokenizer, train_tokenizer
+from mdlm_jax.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
 
 
 def log(msg: str):
@@ -114,12 +115,12 @@ class Stop:
 
 
 def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None,
-                    init: LoadedModel | None = None) -> Tokenizer:
+                    init: LoadedModel | None = None) -> Tokenizer | HFTokenizer:
   """The checkpoint's tokenizer on resume, else the configured file, else the
   `train.init_from` model's, else one trained on the training split. Trained
   once, on process 0, and broadcast."""
   if resumed_meta is not None:
-    return Tokenizer.from_bytes(checkpoint.meta_tokenizer_bytes(resumed_meta))
+    return load_tokenizer_bytes(checkpoint.meta_tokenizer_bytes(resumed_meta))
   if init is not None:
     if config.data.tokenizer and Tokenizer.from_file(config.data.tokenizer).to_bytes() != init.tokenizer.to_bytes():
       raise config_lib.ConfigError(f"config.data.tokenizer={config.data.tokenizer} differs from the tokenizer of"

@@ -3,6 +3,7 @@ logits against transformers' Llama/Qwen2 on the same weights (the `interop` extr
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -154,11 +155,8 @@ def test_errors_name_the_problem(tok, tmp_path):
   with pytest.raises(interop.InteropError, match=r"unexpected tensors \['x.y'\]"):
     builder.load(extra)
 
-  def hf_tokenizer(d):
-    os.remove(d / "tokenizer.model")
-    (d / "tokenizer.json").write_text("{}")
-  with pytest.raises(interop.InteropError, match="tokenizer.json.*--tokenizer=PATH.model"):
-    interop.read(broken("hftok", hf_tokenizer))
+  with pytest.raises(interop.InteropError, match="has no tokenizer.model or tokenizer.json; pass --tokenizer=PATH"):
+    interop.read(broken("notok", lambda d: os.remove(d / "tokenizer.model")))
 
   def option(d):
     hf = json.load(open(d / "config.json"))
@@ -274,3 +272,131 @@ def test_num_kv_heads_must_divide_num_heads():
   with pytest.raises(config_lib.ConfigError, match="model.num_kv_heads: must be -1 or a positive divisor of"
                                                    " model.num_heads=4, got 3"):
     config_lib.validate(c)
+
+
+# ---- Hugging Face tokenizer.json (the published LLaDA/Dream checkpoints'; needs `tokenizers`) ----
+
+HF_TEXTS = ["def f(x):\n  return x + 1\n", "hello world, héllo 日本\t tabs\n\n", "class A:\n    pass\n"]
+HF_SPECIALS = ["<|endoftext|>", "<|startoftext|>", "<|mdm_mask|>"]  # ids 0, 1, 2 (LLaDA's names)
+HF_ROWS = 320  # embedding rows past the tokenizer's own ids, as the releases pad theirs
+
+
+@pytest.fixture(scope="module")
+def hf_json():
+  """A tiny byte-level BPE tokenizer.json, trained here in milliseconds."""
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tk = tokenizers.Tokenizer(models.BPE())
+  tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tk.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=HF_SPECIALS, show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tk.train_from_iterator(HF_TEXTS * 4, trainer)
+  return tk.to_str()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(hf_json):
+  from mdlm_jax.hf_tokenizer import HFTokenizer
+  return HFTokenizer(hf_json, {"mask_token_id": 2, "bos_token_id": 1, "eos_token_id": 0, "vocab_size": HF_ROWS})
+
+
+def published_llada(hf_tok, hf_json, folder, seed=5):
+  """(config, params, folder) of a LLaDA folder shaped like GSAI-ML's: tokenizer.json, no tokenizer.model,
+  config.json with mask/eos/pad ids only and no "mdlm_jax" key, BOS named in tokenizer_config.json."""
+  c, params = make(hf_tok, seed=seed)
+  out = interop.save(str(folder), "llada", params, c, hf_tok, step=0, dtype="float32")
+  assert open(os.path.join(out, "tokenizer.json")).read() == hf_json
+  assert not os.path.exists(os.path.join(out, "tokenizer.model"))
+  hf = json.load(open(os.path.join(out, "config.json")))
+  for key in ("mdlm_jax", "bos_token_id"):
+    del hf[key]
+  json.dump(hf, open(os.path.join(out, "config.json"), "w"))
+  json.dump({"bos_token": {"content": "<|startoftext|>", "special": True}, "eos_token": "<|endoftext|>",
+             "tokenizer_class": "PreTrainedTokenizerFast"}, open(os.path.join(out, "tokenizer_config.json"), "w"))
+  return c, params, out
+
+
+def test_hf_tokenizer_matches_tokenizers(hf_tok, hf_json):
+  """encode/decode are the tokenizers library's own; special ids and padding rows decode to nothing;
+  to_bytes round-trips through the loader checkpoints use, and tells the backends apart."""
+  import pickle
+
+  import tokenizers
+  from mdlm_jax import tokenizer as tokenizer_lib
+  from mdlm_jax.hf_tokenizer import HFTokenizer
+  ref = tokenizers.Tokenizer.from_str(hf_json)
+  assert (hf_tok.vocab_size, hf_tok.mask_id, hf_tok.bos_id, hf_tok.eos_id, hf_tok.pad_id) == (HF_ROWS, 2, 1, 0, 0)
+  assert hf_tok.piece(2) == "<|mdm_mask|>" and hf_tok.piece(HF_ROWS - 1) == ""
+  for text in [*HF_TEXTS, "unseen: ∑ 🙂 \u2581 x", ""]:
+    ids = hf_tok.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False).ids
+    assert hf_tok.decode(ids) == ref.decode(ids) == text
+    assert hf_tok.decode([1, *ids, 2, HF_ROWS - 1, 0]) == text
+  for other in (tokenizer_lib.load_bytes(hf_tok.to_bytes()), pickle.loads(pickle.dumps(hf_tok))):
+    assert isinstance(other, HFTokenizer) and other.to_bytes() == hf_tok.to_bytes()
+  sp = Tokenizer.from_file(os.path.join(packaged.path(), "tokenizer.model"))
+  assert isinstance(tokenizer_lib.load_bytes(sp.to_bytes()), Tokenizer)
+  with pytest.raises(ValueError, match="holds a Hugging Face tokenizer.json"):
+    Tokenizer.from_bytes(hf_tok.to_bytes())
+  with pytest.raises(ValueError, match=f"token id {HF_ROWS} is outside the vocab"):
+    hf_tok.decode([HF_ROWS])
+
+
+def test_published_llada_folder_loads_samples_and_imports(hf_tok, hf_json, tmp_path):
+  """builder.load reads a tokenizer.json folder; the sample CLI runs on it; --import gives a native
+  folder (tokenizer.json + ids in config.json) with identical params and tokenizer; export writes it back."""
+  from mdlm_jax import export
+  c, params, out = published_llada(hf_tok, hf_json, tmp_path / "llada")
+  loaded = builder.load(out)
+  assert loaded.tokenizer.to_bytes() == hf_tok.to_bytes()  # BOS found through tokenizer_config.json
+  want = flat(params)
+  for k, v in flat(loaded.params).items():
+    np.testing.assert_array_equal(v, want[k], err_msg=k)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  r = subprocess.run([sys.executable, "-m", "mdlm_jax.sample", f"--checkpoint={out}", "--prompt=def f(x):",
+                      "--max-new-tokens", "8", "--effort=low"], capture_output=True, text=True, env=env,
+                     timeout=240, cwd=REPO)
+  assert r.returncode == 0 and r.stdout.startswith("def f(x):") and " forward passes" in r.stderr, r.stderr
+  native = tmp_path / "native"
+  export.main(["--import", f"--checkpoint={out}", f"--out={native}", "--dtype=float32"])
+  assert sorted(os.listdir(native)) == ["config.json", "model.safetensors", "tokenizer.json"]
+  meta = json.load(open(native / "config.json"))
+  assert meta["version"] == 2 and meta["tokenizer"] == {"file": "tokenizer.json", **hf_tok.meta()}
+  back = builder.load(str(native))
+  assert back.tokenizer.to_bytes() == hf_tok.to_bytes()
+  for text in HF_TEXTS:
+    assert back.tokenizer.encode(text) == hf_tok.encode(text)
+    assert back.tokenizer.decode(hf_tok.encode(text)) == text
+  for k, v in flat(back.params).items():
+    np.testing.assert_array_equal(v, want[k], err_msg=k)
+  again = tmp_path / "again"
+  export.main([f"--checkpoint={native}", f"--out={again}", "--format=dream", "--dtype=float32"])
+  assert (again / "tokenizer.json").read_text() == hf_json
+  assert json.load(open(again / "tokenizer_config.json"))["mask_token"] == "<|mdm_mask|>"
+  assert builder.load(str(again)).tokenizer.to_bytes() == hf_tok.to_bytes()
+
+
+def test_published_folder_tokenizer_errors(hf_tok, hf_json, tmp_path):
+  c, params, out = published_llada(hf_tok, hf_json, tmp_path / "ok")
+  hf = json.load(open(os.path.join(out, "config.json")))
+
+  def variant(name, config=None, tokenizer_json=None):
+    d = tmp_path / name
+    shutil.copytree(out, d)
+    if config is not None:
+      json.dump(config, open(d / "config.json", "w"))
+    if tokenizer_json is not None:
+      (d / "tokenizer.json").write_text(tokenizer_json)
+    return str(d)
+
+  no_mask = variant("no_mask", {k: v for k, v in hf.items() if k != "mask_token_id"})
+  with pytest.raises(interop.InteropError, match="no mask_token_id in config.json"):
+    builder.load(no_mask)
+  with pytest.raises(interop.InteropError, match=f"mask_token_id=999 is outside the vocab \\[0, {HF_ROWS}\\)"):
+    builder.load(variant("big_mask", {**hf, "mask_token_id": 999}))
+  with pytest.raises(interop.InteropError, match="tokenizer.json: not a Hugging Face tokenizer.json"):
+    builder.load(variant("garbled", tokenizer_json='{"model": '))
+  r = _run_export("--import", f"--checkpoint={no_mask}", f"--out={tmp_path / 'x'}")
+  assert r.returncode != 0 and "no mask_token_id" in r.stderr and "Traceback" not in r.stderr
+  assert not (tmp_path / "x").exists()
