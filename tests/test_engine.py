@@ -43,6 +43,20 @@ def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
                         sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
     assert done.text == want.text
     assert done.finish_reason == want.finish_reason
+  # Threshold 1.0 with one token a pass takes 8 passes a block: both pass kinds ran.
+  assert engine.stats["steps_with_head"] > 0 and engine.stats["steps_without_head"] > 0
+
+
+def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8)
+  busy = [0, 1, 2, 3]
+  e._head[:] = [True, False, False, False]
+  assert [e._pass_with_head(busy), e._pass_with_head(busy)] == [False, True]  # one waits at most a pass
+  e._head[:] = [True, True, False, False]
+  assert e._pass_with_head(busy)
+  assert e._pass_with_head([0])  # alone, a waiting block always rides
+  e._head[:] = False
+  assert not e._pass_with_head(busy)
 
 
 def test_sampled_tokens_do_not_depend_on_company(loaded, engine):
@@ -131,7 +145,7 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
   try:
     req = _request(loaded, PROMPTS[1], max_tokens=16)
     assert e.submit(req).result(timeout=120).text == engine.submit(req).result(timeout=120).text
-    assert (e._step._cache_size(), e._admit._cache_size()) == sizes == (3, 2)  # rows 1, 2, 4; prompts 16, 32
+    assert (e._step._cache_size(), e._admit._cache_size()) == sizes == (6, 2)  # rows 1, 2, 4 x head or not; prompts 16, 32
   finally:
     e.close(deadline_s=1)
   with pytest.raises(RuntimeError, match="before start"):

@@ -2,7 +2,8 @@
 
 One background thread owns the device state. Each turn it admits waiting
 requests into free slots (one prefill each), runs one refinement pass over all
-slots, and turns the new state into events for each request: the current
+slots (with the finished blocks that wait for the cache, or, when few wait,
+a pass half as long without them), and turns the new state into events for each request: the current
 draft (for clients watching the diffusion), text committed since the last
 turn (a finished block never changes again), and the end. Cancelling a
 request frees its slot at the next turn.
@@ -151,6 +152,10 @@ class Engine:
       self._state = state
     self._waiting: collections.deque[Handle] = collections.deque()
     self._slots: list[Handle | None] = [None] * num_slots
+    # Host copy of which slots hold a finished block not yet in the cache
+    # (read with every publish), and whether one waited through the last pass.
+    self._head = np.zeros(num_slots, bool)
+    self._head_waited = False
     self._lock = threading.Condition()
     self._closing = False
     self._stop = False
@@ -192,7 +197,8 @@ class Engine:
                                   jnp.zeros((2,), jnp.uint32))
       self._state = self._state.replace(active=self._state.active.at[0].set(False))
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
-        self._state = self._step(self.loaded.params, self._state, rows=rows)  # idle slots: nothing changes
+        for with_head in (True, False):  # idle slots: nothing changes
+          self._state = self._step(self.loaded.params, self._state, rows=rows, with_head=with_head)
       jax.block_until_ready(self._state)
     return self
 
@@ -262,8 +268,11 @@ class Engine:
           self._drop_cancelled()
           busy = [i for i, h in enumerate(self._slots) if h is not None]
           if busy:
-            self._state = self._step(self.loaded.params, self._state, rows=self._rows_for(busy[-1] + 1))
+            with_head = self._pass_with_head(busy)
+            self._state = self._step(self.loaded.params, self._state, rows=self._rows_for(busy[-1] + 1),
+                                     with_head=with_head)
             self.stats["steps"] += 1
+            self.stats["steps_with_head" if with_head else "steps_without_head"] += 1
             self._publish()
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
@@ -274,6 +283,16 @@ class Engine:
       for h in handles:
         h._push(Event("done", "", "error"))
       raise
+
+  def _pass_with_head(self, busy: list[int]) -> bool:
+    """Whether the next pass carries the finished blocks: when at least half
+    the busy slots have one waiting, or one already waited a pass. Otherwise
+    the others refine in a pass half as long, and the waiting ones catch up
+    with the next."""
+    waiting = int(self._head[busy].sum())
+    with_head = waiting > 0 and (2 * waiting >= len(busy) or self._head_waited)
+    self._head_waited = waiting > 0 and not with_head
+    return with_head
 
   def _rows_for(self, n: int) -> int:
     """The pass size for slots [0, n) busy: a power of two (few compiles), at
@@ -295,6 +314,7 @@ class Engine:
           continue
         row = free[0]
         self._slots[row] = h
+        self._head[row] = False
       r = h.request
       bucket = _bucket(len(r.prompt_ids), self.sc.max_prompt)
       prompt = np.full((bucket,), self.tok.pad_id, np.int32)
@@ -326,7 +346,8 @@ class Engine:
 
   def _publish(self) -> None:
     s = self._state
-    gen, block, active, passes = jax.device_get((s.gen, s.block, s.active, s.passes))
+    gen, block, active, passes, head = jax.device_get((s.gen, s.block, s.active, s.passes, s.head))
+    self._head = head & active
     bs = self.sc.block_size
     for row, h in enumerate(self._slots):
       if h is None:

@@ -133,36 +133,49 @@ def _propose(logits, key_data, block, step, temperature, top_p, mask_id):
   return x0, conf
 
 
-def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots) -> Slots:
-  """One refinement pass over every slot (idle slots ride along, committing nothing)."""
+def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True) -> Slots:
+  """One refinement pass over every slot (idle slots ride along, committing nothing).
+
+  with_head=True: each slot sends [its finished block, if any | its current
+  block], and the finished blocks go into the cache. with_head=False: a pass
+  half as long, current blocks only; slots whose finished block still waits
+  for the cache sit this pass out unchanged. A block's second and later passes
+  need no head, so the engine alternates the two and no pass carries a
+  finished-block's worth of dead tokens for every slot."""
   model = bind(spec, params)
   bs = sc.block_size
   lo = s.block * bs
   take = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, bs))
   tail = take(s.gen, jnp.minimum(lo, sc.max_new_tokens - bs))
-  prev = take(s.gen, jnp.maximum(lo - bs, 0))
-  head_valid = s.head & s.active
   tail_pos = (s.prompt_len + lo)[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-  tokens = jnp.concatenate([prev, tail], axis=1)
-  positions = jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], axis=1)
-  # An idle row still sees its own tail: no query ever has nothing to attend to.
-  valid_new = jnp.concatenate([jnp.broadcast_to(head_valid[:, None], prev.shape), jnp.ones_like(tail, bool)], 1)
   t = jnp.mean(tail == sc.mask_id, axis=-1).astype(jnp.float32) if spec.cfg.time_conditioning else None
-  logits, cache = model.forward_cached(tokens, positions, s.cache, commit=True, valid_new=valid_new, t=t,
-                                       commit_len=jnp.where(head_valid, bs, 0), new_block=bs)
+  if with_head:
+    moving = s.active
+    prev = take(s.gen, jnp.maximum(lo - bs, 0))
+    head_valid = s.head & s.active
+    tokens = jnp.concatenate([prev, tail], axis=1)
+    positions = jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], axis=1)
+    # An idle row still sees its own tail: no query ever has nothing to attend to.
+    valid_new = jnp.concatenate([jnp.broadcast_to(head_valid[:, None], prev.shape), jnp.ones_like(tail, bool)], 1)
+    logits, cache = model.forward_cached(tokens, positions, s.cache, commit=True, valid_new=valid_new, t=t,
+                                         commit_len=jnp.where(head_valid, bs, 0), new_block=bs)
+  else:
+    moving = s.active & ~s.head
+    logits, cache = model.forward_cached(tail, tail_pos, s.cache, commit=False, t=t)
   x0, conf = _propose(logits, s.key, s.block, s.step, s.temperature, s.top_p, sc.mask_id)
-  candidates = (tail == sc.mask_id) & s.active[:, None]
+  candidates = (tail == sc.mask_id) & moving[:, None]
   conf = jnp.where(candidates, conf, -1.0)
   top = rank_desc(conf) < s.min_tokens[:, None]
   commit = candidates & ((conf >= s.threshold[:, None]) | top)
   new_tail = jnp.where(commit, x0, tail)
   put = jax.vmap(lambda row, blk, start: lax.dynamic_update_slice_in_dim(row, blk, start, 0))
-  gen = jnp.where(s.active[:, None], put(s.gen, new_tail, jnp.minimum(lo, sc.max_new_tokens - bs)), s.gen)
-  finished = s.active & ~jnp.any(new_tail == sc.mask_id, axis=-1)
+  gen = jnp.where(moving[:, None], put(s.gen, new_tail, jnp.minimum(lo, sc.max_new_tokens - bs)), s.gen)
+  finished = moving & ~jnp.any(new_tail == sc.mask_id, axis=-1)
   done = finished & (jnp.any(new_tail == sc.eos_id, axis=-1) | (s.block + 1 >= s.n_blocks))
   return s.replace(cache=cache, gen=gen, block=jnp.where(finished, s.block + 1, s.block),
-                   step=jnp.where(finished, 0, s.step + 1), head=finished & ~done, active=s.active & ~done,
-                   passes=s.passes + s.active.astype(jnp.int32))
+                   step=jnp.where(finished, 0, jnp.where(moving, s.step + 1, s.step)),
+                   head=jnp.where(moving, finished & ~done, s.head & s.active), active=s.active & ~done,
+                   passes=s.passes + moving.astype(jnp.int32))
 
 
 def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
@@ -177,18 +190,18 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
   return s.replace(cache=cache, **rest)
 
 
-def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots) -> Slots:
+def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True) -> Slots:
   """`step` over slots [0, rows) only: requests take the lowest free slots, so
   a lightly loaded engine runs passes as small as its load."""
   if rows == sc.num_slots:
-    return step(spec, sc, params, s)
-  head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s))
+    return step(spec, sc, params, s, with_head)
+  head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head)
   return _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
 
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
   """(admit, step_first) jitted, with the slot state donated so it is updated
-  in place; step_first(params, state, rows=k) compiles once per k."""
+  in place; step_first(params, state, rows=k, with_head=h) compiles once per (k, h)."""
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,)),
-          jax.jit(lambda params, state, rows: step_first(spec, sc, rows, params, state), donate_argnums=(1,),
-                  static_argnames=("rows",)))
+          jax.jit(lambda params, state, rows, with_head=True: step_first(spec, sc, rows, params, state, with_head),
+                  donate_argnums=(1,), static_argnames=("rows", "with_head")))
