@@ -51,8 +51,8 @@ def block_positions(seq_len: int) -> np.ndarray:
 
 
 def sample_block_times(key: jax.Array, batch: int, num_blocks: int, antithetic: bool = True,
-                       sampling_eps: float = 1e-3) -> Float[Array, "b n"]:
-  """Per-block t ~ U[sampling_eps, 1], [batch, num_blocks].
+                       sampling_eps: float = 1e-3, t_max: float = 1.0) -> Float[Array, "b n"]:
+  """Per-block t ~ U[sampling_eps, t_max], [batch, num_blocks].
 
   Antithetic: the batch * num_blocks draws take one stratum each, assigned to
   blocks by a random permutation. Blocks at different positions are not
@@ -62,13 +62,13 @@ def sample_block_times(key: jax.Array, batch: int, num_blocks: int, antithetic: 
   exchangeable and the fixed map of `diffusion.sample_times` is kept, so
   block_size == seq_len draws exactly MDLM's times."""
   if num_blocks == 1:
-    return diffusion.sample_times(key, batch, antithetic=antithetic, sampling_eps=sampling_eps)[:, None]
+    return diffusion.sample_times(key, batch, antithetic=antithetic, sampling_eps=sampling_eps, t_max=t_max)[:, None]
   n = batch * num_blocks
   u = jax.random.uniform(key, (n,), dtype=jnp.float32)
   if antithetic:
     strata = jax.random.permutation(jax.random.fold_in(key, 1), n).astype(jnp.float32)
     u = jnp.minimum((strata + u) / n, 1.0 - 2.0 ** -24)
-  return ((1.0 - sampling_eps) * u + sampling_eps).reshape(batch, num_blocks)
+  return ((t_max - sampling_eps) * u + sampling_eps).reshape(batch, num_blocks)
 
 
 def block_forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b n"],

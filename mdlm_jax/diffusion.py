@@ -72,14 +72,15 @@ class Schedule:
 
 
 def sample_times(key: jax.Array, batch: int, *, antithetic: bool = True,
-                 sampling_eps: float = 1e-3) -> Float[Array, "b"]:
-  """t ~ U[sampling_eps, 1]; antithetic draws one stratum per batch element,
-  which lowers the variance of the batch NELBO without biasing it."""
+                 sampling_eps: float = 1e-3, t_max: float = 1.0) -> Float[Array, "b"]:
+  """t ~ U[sampling_eps, t_max]; antithetic draws one stratum per batch element,
+  which lowers the variance of the batch NELBO without biasing it. t_max < 1
+  (with a raised sampling_eps) is BD3-LM's clipped schedule for training."""
   u = jax.random.uniform(key, (batch,), dtype=jnp.float32)
   if antithetic:
     # (i + u) / B, kept below 1 so float rounding never wraps a draw to t = 0.
     u = jnp.minimum((jnp.arange(batch, dtype=jnp.float32) + u) / batch, 1.0 - 2.0 ** -24)
-  return (1.0 - sampling_eps) * u + sampling_eps
+  return (t_max - sampling_eps) * u + sampling_eps
 
 
 def forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b"], schedule: Schedule,

@@ -21,6 +21,7 @@ class MDLMObjective:
   time_conditioning: bool = False
   antithetic: bool = True
   sampling_eps: float = 1e-3
+  t_max: float = 1.0  # < 1 only in training (BD3-LM's clipped schedule); evaluation draws up to 1.
 
   def __call__(self, model, tokens, key, t=None):
     """NELBO sum over the batch in nats, and the token count. `t` overrides
@@ -28,7 +29,7 @@ class MDLMObjective:
     k_t, k_mask = jax.random.split(key)
     if t is None:
       t = diffusion.sample_times(k_t, tokens.shape[0], antithetic=self.antithetic,
-                                 sampling_eps=self.sampling_eps)
+                                 sampling_eps=self.sampling_eps, t_max=self.t_max)
     xt, masked = diffusion.forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
     logits = model(xt, t if self.time_conditioning else None)
     per_token = diffusion.nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
@@ -60,7 +61,7 @@ class BD3Objective(MDLMObjective):
     k_t, k_mask = jax.random.split(key)
     if t is None:
       t = block_diffusion.sample_block_times(k_t, b, n, antithetic=self.antithetic,
-                                             sampling_eps=self.sampling_eps)
+                                             sampling_eps=self.sampling_eps, t_max=self.t_max)
     xt, masked = block_diffusion.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
     logits = block_diffusion.block_logits(model, xt, tokens, self.block_size)
     per_token = block_diffusion.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
@@ -75,16 +76,24 @@ class ARObjective:
     return nll.sum(), jnp.asarray(nll.size, jnp.float32)
 
 
-def from_config(config, mask_id: int):
+def from_config(config, mask_id: int, training: bool = False):
+  """The config's objective. With `training`, times are drawn from
+  diffusion.train_t_range when it is set: BD3-LM's clipped mask rates, which
+  cut the variance of the gradient (no t near 0, where the 1/t weight is
+  large) at the price of a biased bound, so evaluation never uses them."""
   if config.objective == "ar":
     return ARObjective()
   d = config.diffusion
+  lo, hi = float(d.sampling_eps), 1.0
+  clip = tuple(d.get("train_t_range", ()) or ())
+  if training and clip:
+    lo, hi = max(lo, float(clip[0])), float(clip[1])
   block_size = int(d.get("block_size", 0))  # configs saved before block diffusion lack the field
   if block_size > 0:
     return BD3Objective(
         schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id), antithetic=bool(d.antithetic),
-        sampling_eps=float(d.sampling_eps), block_size=block_size)
+        sampling_eps=lo, t_max=hi, block_size=block_size)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),
-      sampling_eps=float(d.sampling_eps))
+      sampling_eps=lo, t_max=hi)

@@ -241,7 +241,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     raise config_lib.ConfigError(f"config.model.vocab_size={config.model.vocab_size} but the tokenizer has"
                                  f" {tokenizer.vocab_size} pieces; use -1 to take the tokenizer's")
   spec = model_spec(cfg, mesh)
-  objective = objectives.from_config(config, tokenizer.mask_id)
+  objective = objectives.from_config(config, tokenizer.mask_id, training=True)
+  eval_objective = objectives.from_config(config, tokenizer.mask_id)
   optimizer, lr_schedule = make_optimizer(config.optim, config.train.num_steps)
   use_ema = config.optim.ema_decay > 0
   meta = checkpoint.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
@@ -303,7 +304,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                               batch_size=config.data.batch_size,
                                               num_batches=config.train.eval_batches)
       p = weights["ema"] if use_ema else weights["params"]
-      res = evaluation.evaluate(spec, objective, p, eval_batches, time_samples=config.eval.time_samples,
+      res = evaluation.evaluate(spec, eval_objective, p, eval_batches, time_samples=config.eval.time_samples,
                                 seed=config.eval.seed, mesh=mesh)
       log(f"eval step {step}: {evaluation.describe(res)}")
       metrics_log.write({"kind": "eval", "step": step, **res})

@@ -244,6 +244,38 @@ def test_one_block_times_are_mdlm_times():
                                 np.asarray(diffusion.sample_times(key, 6, antithetic=True, sampling_eps=1e-3)))
 
 
+@pytest.mark.parametrize("n", [1, 6])
+def test_clipped_block_times_cover_exactly_the_range(n):
+  """BD3-LM's clipped schedule: every t in [lo, hi], uniform there (mean
+  (lo + hi) / 2), antithetic strata over [lo, hi]."""
+  lo, hi, batch, K = 0.3, 0.8, 4, 300
+  keys = jax.random.split(jax.random.key(11), K)
+  t = np.asarray(jax.vmap(lambda k: bd.sample_block_times(k, batch, n, True, lo, hi))(keys), np.float64)
+  assert np.all((t >= lo - 1e-7) & (t <= hi + 1e-7))
+  assert abs(t.mean() - (lo + hi) / 2) < 5 * (hi - lo) / math.sqrt(12 * t.size)
+  strata = np.sort(np.floor((t - lo) / (hi - lo) * batch * n).reshape(K, -1), axis=1)
+  np.testing.assert_array_equal(strata, np.broadcast_to(np.arange(batch * n), strata.shape))
+
+
+def test_train_t_range_applies_to_training_only(tiny_config):
+  c = tiny_config
+  for block_size in (0, 16):
+    c.diffusion.block_size = block_size
+    c.diffusion.train_t_range = (0.3, 0.8)
+    config_lib.validate(c)
+    train = objectives.from_config(c, 3, training=True)
+    full = objectives.from_config(c, 3)
+    assert (train.sampling_eps, train.t_max) == (0.3, 0.8)
+    assert (full.sampling_eps, full.t_max) == (c.diffusion.sampling_eps, 1.0)
+    c.diffusion.train_t_range = ()
+    off = objectives.from_config(c, 3, training=True)
+    assert (off.sampling_eps, off.t_max) == (c.diffusion.sampling_eps, 1.0)
+  for bad in [(0.8, 0.3), (0.2,), (-0.1, 0.5), (0.5, 1.5)]:
+    c.diffusion.train_t_range = bad
+    with pytest.raises(config_lib.ConfigError, match="diffusion.train_t_range"):
+      config_lib.validate(c)
+
+
 # ------------------------------------------------------------- config and training
 
 

@@ -125,3 +125,20 @@ def test_mesh_shape_errors():
   with pytest.raises(ValueError, match="uses 2 devices but 4"):
     sharding.mesh_shape({"data": 2, "fsdp": 1, "tensor": 1}, 4)
   assert sharding.mesh_shape({"data": -1, "fsdp": 1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+
+
+@pytest.mark.parametrize("rules", sorted(sharding.RULES))
+def test_every_rules_table_names_every_logical_axis_of_a_gqa_model(rules):
+  """A logical name missing from one table only fails on the meshes that use it,
+  so every table must cover every name a model (GQA included) can carry."""
+  from flax import nnx
+  from mdlm_jax.model import Transformer
+  cfg = ModelConfig(vocab_size=64, num_layers=1, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                    time_conditioning=True)
+  state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  names = set()
+  for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    names.update(n for n in (v.get_metadata().get("logical_axes") or ()) if n)
+  table = dict(sharding.RULES[rules])
+  assert names - set(table) == set()
+  assert set(table) == set(dict(sharding.DEFAULT_RULES))  # activation names too
