@@ -53,10 +53,11 @@ def base_config() -> ml_collections.ConfigDict:
   d.eps = 1e-3  # alpha(1) = eps: the noise schedule never reaches exactly 0.
   d.sampling_eps = 1e-3  # t ~ U[sampling_eps, 1] during training.
   d.antithetic = True
-  # (lo, hi): training draws t in [lo, hi] instead of [sampling_eps, 1] (BD3-LM's
-  # clipped schedule: lower gradient variance, biased bound); () = off. Evaluation
-  # and the logged validation NELBO always use the full range.
-  d.train_t_range = ()
+  # Training draws t in [max(sampling_eps, train_t_min), train_t_max]: below 1 and
+  # above 0 it is BD3-LM's clipped schedule (less gradient variance, a biased
+  # bound). Evaluation and the logged validation NELBO always use [sampling_eps, 1].
+  d.train_t_min = 0.0
+  d.train_t_max = 1.0
   # > 0: block diffusion (BD3-LM) with blocks of this many tokens; 0: plain MDLM.
   d.block_size = 0
 
@@ -184,9 +185,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(d.schedule in SCHEDULES, "diffusion.schedule", f"must be one of {SCHEDULES}, got {d.schedule!r}")
   _check(0 < d.eps < 1, "diffusion.eps", f"must be in (0, 1), got {d.eps}")
   _check(0 <= d.sampling_eps < 1, "diffusion.sampling_eps", f"must be in [0, 1), got {d.sampling_eps}")
-  clip = tuple(d.get("train_t_range", ()) or ())
-  _check(clip == () or (len(clip) == 2 and 0 <= clip[0] < clip[1] <= 1), "diffusion.train_t_range",
-         f"must be () or (lo, hi) with 0 <= lo < hi <= 1, got {clip!r}")
+  lo, hi = d.get("train_t_min", 0.0), d.get("train_t_max", 1.0)
+  _check(0 < hi <= 1, "diffusion.train_t_max", f"must be in (0, 1], got {hi}")
+  _check(0 <= lo < hi and d.sampling_eps < hi, "diffusion.train_t_min",
+         f"must be >= 0 and below train_t_max={hi} (and sampling_eps={d.sampling_eps} below it too), got {lo}")
 
   dt = c.data
   _check(isinstance(dt.corpus, str) and dt.corpus, "data.corpus", "must be 'stdlib' or a path")

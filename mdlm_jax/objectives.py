@@ -78,16 +78,15 @@ class ARObjective:
 
 def from_config(config, mask_id: int, training: bool = False):
   """The config's objective. With `training`, times are drawn from
-  diffusion.train_t_range when it is set: BD3-LM's clipped mask rates, which
+  [diffusion.train_t_min, train_t_max]: BD3-LM's clipped mask rates, which
   cut the variance of the gradient (no t near 0, where the 1/t weight is
   large) at the price of a biased bound, so evaluation never uses them."""
   if config.objective == "ar":
     return ARObjective()
   d = config.diffusion
   lo, hi = float(d.sampling_eps), 1.0
-  clip = tuple(d.get("train_t_range", ()) or ())
-  if training and clip:
-    lo, hi = max(lo, float(clip[0])), float(clip[1])
+  if training:
+    lo, hi = max(lo, float(d.get("train_t_min", 0.0))), float(d.get("train_t_max", 1.0))
   block_size = int(d.get("block_size", 0))  # configs saved before block diffusion lack the field
   if block_size > 0:
     return BD3Objective(

@@ -138,6 +138,7 @@ def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
   assert got == want
 
 
+@pytest.mark.slow
 def test_warmup_compiles_then_serves_the_same(loaded, engine):
   e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).warmup()
   sizes = e._step._cache_size(), e._admit._cache_size()

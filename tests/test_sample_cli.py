@@ -30,6 +30,7 @@ def test_diffusion_cli_json(checkpoints):
   assert all(c["tokens"] <= 12 for c in res["completions"])
 
 
+@pytest.mark.slow
 def test_show_steps_and_infill(checkpoints):
   r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x = ", "--suffix=\n", "--max-new-tokens=6",
           "--sampler=low_confidence", "--steps=3", "--block-size=0", "--show-steps")

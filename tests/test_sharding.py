@@ -71,8 +71,8 @@ def test_sharded_step_matches_single_device(layout):
   assert specs["head"] == jax.sharding.PartitionSpec("fsdp", None)
 
 
-@pytest.mark.parametrize("rules,layout", [("fsdp_tp", (1, 2, 2)),
-                                          pytest.param("fsdp", (1, 4, 1), marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default rules' sharded step is checked by test_sharded_step_matches_single_device
+@pytest.mark.parametrize("rules,layout", [("fsdp_tp", (1, 2, 2)), ("fsdp", (1, 4, 1))])
 def test_named_rules_on_the_tiny_model_match_single_device(rules, layout):
   """configs/tiny.py's network (vocab 96, so the head shards over tensor too)
   trained under config.sharding.rules on 4 devices equals one device."""
