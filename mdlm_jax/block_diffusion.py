@@ -91,8 +91,23 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   count_blocks(l, block_size)
   # Structural, so a kernel builds it per tile; equal to `block_attention_mask`.
   mask = kernels.AttentionMask(kind="block_diffusion", block_size=block_size)
-  # Only the x_t half is scored: skip the vocabulary projection of the x_0 half.
-  return model.logits(model.hidden_states(tokens, None, positions, mask)[:, :l])
+  hidden = model.hidden_states(tokens, None, positions, mask)
+  if not model.cfg.shift_logits:
+    # Only the x_t half is scored: skip the vocabulary projection of the x_0 half.
+    return model.logits(hidden[:, :l])
+  return model.logits(shifted_noisy_states(hidden, block_size))
+
+
+def shifted_noisy_states(hidden: Float[Array, "b 2l d"], block_size: int) -> Float[Array, "b l d"]:
+  """The states a shifted head scores noisy token i from: noisy i - 1 inside a
+  block; at a block's first token, clean i - 1 (the end of the context, which
+  a KV-cached sampler holds as the cache's last state); token 0 its own."""
+  l = hidden.shape[1] // 2
+  noisy, clean = hidden[:, :l], hidden[:, l:]
+  prev_noisy = jnp.concatenate([noisy[:, :1], noisy[:, :-1]], axis=1)
+  prev_clean = jnp.concatenate([noisy[:, :1], clean[:, :-1]], axis=1)
+  starts = (np.arange(l) % block_size == 0)[None, :, None]
+  return jnp.where(starts, prev_clean, prev_noisy)
 
 
 def block_nelbo_per_token(logits: Float[Array, "b l v"], x0: Int[Array, "b l"], masked: Bool[Array, "b l"],

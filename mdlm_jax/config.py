@@ -39,6 +39,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.mlp_dim = 1024
   m.mlp = "swiglu"
   m.causal = False
+  # Hidden state i - 1 scores token i (Dream; keeps an AR initialisation's head useful).
+  m.shift_logits = False
   m.time_conditioning = False  # adaLN conditioning on t, as in MDLM's DiT.
   m.cond_dim = 128
   m.tie_embeddings = True
@@ -177,6 +179,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(m.rope_theta > 0, "model.rope_theta", "must be positive")
   if c.objective == "ar":
     _check(m.causal, "model.causal", "objective 'ar' needs a causal model (set model.causal=True)")
+    _check(not m.get("shift_logits", False), "model.shift_logits", "an AR model already scores the next token")
     _check(not m.time_conditioning, "model.time_conditioning", "an AR model has no diffusion time")
   else:
     _check(not m.causal, "model.causal", "objective 'mdlm' needs a bidirectional model (model.causal=False)")

@@ -42,6 +42,9 @@ class KVCache:
   v: Float[Array, "n b s g d"]
   valid: Bool[Array, "b s"]
   length: Int[Array, ""] | Int[Array, "b"]
+  # Final hidden state of the last filled slot: what a shifted head
+  # (ModelConfig.shift_logits) scores the next token from.
+  last_hidden: Float[Array, "b d"]
 
   @classmethod
   def init(cls, cfg: "ModelConfig", batch: int, max_len: int, *, per_row: bool = False) -> "KVCache":
@@ -49,7 +52,8 @@ class KVCache:
     dt = compute_dtype(cfg.dtype)
     return cls(k=constrain(jnp.zeros(shape, dt), STACKED_AXES), v=constrain(jnp.zeros(shape, dt), STACKED_AXES),
                valid=constrain(jnp.zeros((batch, max_len), jnp.bool_), ("batch", "length")),
-               length=jnp.zeros((batch,) if per_row else (), jnp.int32))
+               length=jnp.zeros((batch,) if per_row else (), jnp.int32),
+               last_hidden=constrain(jnp.zeros((batch, cfg.embed_dim), dt), ("batch", "act_embed")))
 
   @property
   def per_row(self) -> bool:

@@ -33,6 +33,9 @@ class ModelConfig:
   qkv_bias: bool = False
   mlp: str = "swiglu"
   causal: bool = False
+  # The hidden state at i - 1 scores token i (Dream's shifted head): a diffusion
+  # model started from AR weights keeps their next-token mapping.
+  shift_logits: bool = False
   time_conditioning: bool = False
   cond_dim: int = 128
   tie_embeddings: bool = True
@@ -169,12 +172,18 @@ class Transformer(nnx.Module):
     valid, mask = cache.attention_spec(valid_new, causal=self.cfg.causal, new_block=new_block)
     # The cache layout is not "queries are the last keys": causality lives in the mask.
     x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
-    if new_block > 0:
-      x = x[:, n - new_block:]  # nobody reads the head's logits: skip its vocabulary matmul
-    out = self.head_input(x) if head else self.logits(x)
+    keep = n if commit_len is None else commit_len
+    out = x[:, n - new_block:] if new_block > 0 else x  # nobody reads the head's logits: skip its vocabulary matmul
+    if self.cfg.shift_logits:
+      # The state before the first scored token: the head's last kept token,
+      # or, with nothing kept before them in this pass, the cache's last token.
+      before = jnp.minimum(keep, n - new_block) if new_block > 0 else 0
+      out = jnp.concatenate([_last_kept(x, before, cache.last_hidden)[:, None], out[:, :-1]], axis=1)
+    out = self.head_input(out) if head else self.logits(out)
     if not commit:
       return out, cache
-    keep = n if commit_len is None else commit_len
+    if self.cfg.shift_logits:
+      written = written.replace(last_hidden=_last_kept(x, keep, cache.last_hidden))
     return out, written.commit(cache.kept_valid(valid, keep), keep)
 
   def output_embedding(self) -> Float[Array, "d v"]:
@@ -190,7 +199,20 @@ class Transformer(nnx.Module):
     return constrain(self.head_input(hidden).logits(), ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens, t=None, positions=None, mask=None) -> Float[Array, "b l v"]:
-    return self.logits(self.hidden_states(tokens, t, positions, mask))
+    hidden = self.hidden_states(tokens, t, positions, mask)
+    return self.logits(shift_right(hidden) if self.cfg.shift_logits else hidden)
+
+
+def shift_right(hidden: Float[Array, "b l d"]) -> Float[Array, "b l d"]:
+  """Position i gets the state of i - 1; position 0, with nothing before it, keeps its own."""
+  return jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
+
+
+def _last_kept(x: Float[Array, "b t d"], count, fallback: Float[Array, "b d"]) -> Float[Array, "b d"]:
+  """x[row, count - 1] per row (count: an int or [b]); `fallback` where count is 0."""
+  count = jnp.broadcast_to(jnp.asarray(count, jnp.int32), x.shape[:1])
+  last = jnp.take_along_axis(x, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+  return jnp.where((count > 0)[:, None], last, fallback.astype(x.dtype))
 
 
 def count_params(model: nnx.Module) -> int:

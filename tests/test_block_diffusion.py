@@ -1,6 +1,7 @@
 """Block diffusion (BD3-LM): the attention mask, information flow through a real
 model, the per-block NELBO against numpy, the MDLM limit, times, training."""
 
+import dataclasses
 import functools
 import json
 import math
@@ -66,10 +67,10 @@ def test_mask_rejects_bad_block_size():
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model():
+def tiny_model(shift_logits: bool = False):
   """Spec and numpy-drawn params: jitting the random init costs ~10 s on a
   loaded 2-core CPU, far more than the forward passes under test."""
-  spec = builder.model_spec(TINY, None)
+  spec = builder.model_spec(dataclasses.replace(TINY, shift_logits=shift_logits), None)
   rng = np.random.default_rng(0)
 
   def leaf(path, x):
@@ -81,9 +82,11 @@ def tiny_model():
   return spec, jax.tree_util.tree_map_with_path(leaf, spec.abstract)
 
 
-def test_information_flow():
+@pytest.mark.parametrize("shift_logits", [False, True])
+def test_information_flow(shift_logits):
   """Logits of noisy block b depend on x_t only through block b, on x_0 only
-  through blocks < b, and do depend on the clean block b - 1."""
+  through blocks < b, and do depend on the clean block b - 1 (with a shifted
+  head too: a block's first token is scored from clean token b * L' - 1)."""
   L, Lb = 8, 2
   n = L // Lb
   rng = np.random.default_rng(0)
@@ -98,7 +101,7 @@ def test_information_flow():
     if b > 0:
       rows.append((xt, other(x0, blk == b - 1))); cases.append((b, "x0 block b-1", True))
   xts, x0s = (jnp.asarray(np.stack(r), jnp.int32) for r in zip(*rows))
-  spec, params = tiny_model()
+  spec, params = tiny_model(shift_logits)
   logits = jax.jit(lambda p, xt, x0: bd.block_logits(builder.bind(spec, p), xt, x0, Lb))
   out = np.asarray(logits(params, xts, x0s))
   assert out.shape == (len(rows), L, TINY.vocab_size)
@@ -108,6 +111,33 @@ def test_information_flow():
       assert diff > 1e-3, (b, what, diff)
     else:
       assert diff < 1e-6, (b, what, diff)
+
+
+def test_shifted_head_scores_each_token_from_its_predecessor():
+  """With model.shift_logits, noisy token i is scored from the unshifted
+  network's state at noisy i - 1 inside a block and at clean i - 1 at a
+  block's first token (token 0 from itself), picked here by a plain loop."""
+  L, Lb = 12, 4
+  rng = np.random.default_rng(3)
+  x0 = jnp.asarray(rng.integers(0, MASK_ID, size=(2, L)), jnp.int32)
+  xt = jnp.where(jnp.asarray(rng.random((2, L)) < 0.5), MASK_ID, x0)
+  spec, params = tiny_model(True)
+  shifted = np.asarray(jax.jit(lambda p: bd.block_logits(builder.bind(spec, p), xt, x0, Lb))(params))
+  plain_spec, _ = tiny_model(False)
+
+  def states(p):
+    m = builder.bind(plain_spec, p)
+    tokens = jnp.concatenate([xt, x0], axis=1)
+    pos = jnp.broadcast_to(jnp.asarray(bd.block_positions(L)), (2, 2 * L))
+    from mdlm_jax import kernels
+    return m.hidden_states(tokens, None, pos, kernels.AttentionMask(kind="block_diffusion", block_size=Lb))
+
+  h = jax.jit(states)(params)
+  source = [0] + [L + i - 1 if i % Lb == 0 else i - 1 for i in range(1, L)]
+  want = np.asarray(builder.bind(plain_spec, params).logits(h[:, np.asarray(source)]))
+  np.testing.assert_allclose(shifted, want, rtol=1e-5, atol=1e-5)
+  assert np.abs(shifted - np.asarray(jax.jit(
+      lambda p: bd.block_logits(builder.bind(plain_spec, p), xt, x0, Lb))(params))).max() > 1e-2
 
 
 def test_block_size_seq_len_is_mdlm():
@@ -154,6 +184,7 @@ def test_block_nelbo_matches_numpy(kind):
 class Recorder:
   """A fake model: fixed logits for the x_t half; records its inputs. The
   "hidden states" are the logits themselves, and `logits` is the identity."""
+  cfg = TINY
 
   def __init__(self, logits, record=True):
     self.fixed_logits = jnp.asarray(logits)

@@ -47,6 +47,24 @@ def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
   assert engine.stats["steps_with_head"] > 0 and engine.stats["steps_without_head"] > 0
 
 
+def test_a_shifted_head_matches_the_generator(loaded):
+  """A model scoring token i from state i - 1 (shift_logits) decodes the same in
+  the engine, whose slots keep each row's last state, as in the one-shot sampler."""
+  import dataclasses
+  spec = builder.model_spec(dataclasses.replace(loaded.spec.cfg, shift_logits=True), None)
+  shifted = dataclasses.replace(loaded, spec=spec)
+  gen = Generator(shifted)
+  e = Engine(shifted, num_slots=2, max_prompt=32, max_new_tokens=16, block_size=8).start()
+  try:
+    handles = [e.submit(_request(shifted, p, max_tokens=16, **kw)) for p, kw in zip(PROMPTS[:2], SETTINGS[:2])]
+    for h, p, kw in zip(handles, PROMPTS, SETTINGS):
+      want = gen.generate([p], max_new_tokens=16, seed=0,
+                          sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
+      assert h.result(timeout=120).text == want.text
+  finally:
+    e.close(deadline_s=1)
+
+
 def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
   e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8)
   busy = [0, 1, 2, 3]

@@ -17,6 +17,7 @@ from mdlm_jax.model import ModelConfig
 BASE = dict(vocab_size=50, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, cond_dim=16)
 CAUSAL = (("causal", True),)
 DIFFUSION = (("causal", False), ("time_conditioning", True), ("tie_embeddings", False))
+SHIFTED = DIFFUSION + (("shift_logits", True),)
 B, P = 2, 5
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -136,11 +137,14 @@ def test_causal_prefill_then_decode_matches_full_forward():
   assert len(traces) - n0 == 2  # one prefill trace, one decode trace for all steps
 
 
-def test_block_diffusion_cache_matches_block_causal_reference():
+@pytest.mark.parametrize("kw", [DIFFUSION, SHIFTED], ids=["plain", "shifted"])
+def test_block_diffusion_cache_matches_block_causal_reference(kw):
   """A clean left-padded prefix, then 3 blocks of a time-conditioned bidirectional model: each
   block denoised with commit=False (cache untouched), then committed; every real token's logits
-  equal the full forward of its row, [prefix; blocks], under the block-causal mask."""
-  spec, params, full, cached, _ = setup(DIFFUSION)
+  equal the full forward of its row, [prefix; blocks], under the block-causal mask. A shifted
+  head scores a block's first token from the cache's last state."""
+  spec, params, full, cached, _ = setup(kw)
+  first = 1 if spec.cfg.shift_logits else 0  # a left-padded prompt's first token is scored from a pad
   blk, n_blocks = 3, 3
   length = P + blk * n_blocks
   real, prompt, valid, positions = left_padded(2, length, N_REAL)
@@ -154,7 +158,8 @@ def test_block_diffusion_cache_matches_block_causal_reference():
   cache = KVCache.init(spec.cfg, B, length)
   logits, cache = cached(params, prompt, positions, cache, valid, t, commit=True)
   for r in range(B):
-    np.testing.assert_allclose(np.asarray(logits)[r, P - N_REAL[r]:], np.asarray(ref)[r, :N_REAL[r]], **TOL)
+    np.testing.assert_allclose(np.asarray(logits)[r, P - N_REAL[r] + first:], np.asarray(ref)[r, first:N_REAL[r]],
+                               **TOL)
   for j in range(n_blocks):
     lo = j * blk
     block = jnp.asarray(np.stack([real[r, N_REAL[r] + lo:N_REAL[r] + lo + blk] for r in range(B)]))
@@ -167,12 +172,13 @@ def test_block_diffusion_cache_matches_block_causal_reference():
     assert int(cache.length) == P + lo + blk
 
 
-def test_per_row_cache_matches_block_causal_reference():
+@pytest.mark.parametrize("kw", [DIFFUSION, SHIFTED], ids=["plain", "shifted"])
+def test_per_row_cache_matches_block_causal_reference(kw):
   """A serving-style cache: rows with prompts of different lengths (right-padded, each row
   committing only its own real tokens, so the rows' fill points differ), then blocks sent as
   [finished block | next block] chunks with new_block: the head is committed, the tail is
   denoised, and its logits equal the full forward under the block-causal mask."""
-  spec, params, full, _, _ = setup(DIFFUSION)
+  spec, params, full, _, _ = setup(kw)
   blk, n_blocks = 3, 3
   length = P + blk * n_blocks
   n_real = np.array([P, 2])

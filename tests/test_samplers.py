@@ -27,8 +27,18 @@ SAMPLERS = [
 
 @pytest.fixture(scope="module")
 def generator(tiny_tokenizer_path):
+  return _generator(tiny_tokenizer_path, shift_logits=False)
+
+
+@pytest.fixture(scope="module")
+def shifted_generator(tiny_tokenizer_path):
+  return _generator(tiny_tokenizer_path, shift_logits=True)
+
+
+def _generator(tiny_tokenizer_path, shift_logits):
   tok = Tokenizer.from_file(tiny_tokenizer_path)
-  cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64)
+  cfg = ModelConfig(vocab_size=tok.vocab_size, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64,
+                    shift_logits=shift_logits)
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1}), jax.devices()[:1])
   spec = model_spec(cfg, mesh)
   params = init_params(spec, seed=3)
@@ -200,8 +210,10 @@ def test_infill_searches_lengths_and_keeps_prefix_suffix(generator):
 @pytest.mark.parametrize("sampler", [LowConfidenceSampler(steps=4, block_size=8, temperature=1.0),
                                      ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)],
                          ids=lambda s: type(s).__name__)
-def test_kv_cached_blocks_equal_uncached_block_causal(generator, sampler):
+@pytest.mark.parametrize("which", ["generator", "shifted_generator"])
+def test_kv_cached_blocks_equal_uncached_block_causal(request, which, sampler):
   import dataclasses
+  generator = request.getfixturevalue(which)
   prompts = ["def f(x):\n", "import os\nimport re\n"]
   cached = generator.generate(prompts, max_new_tokens=20, sampler=dataclasses.replace(sampler, kv_cache=True),
                               seed=7)

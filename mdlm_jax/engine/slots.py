@@ -90,13 +90,14 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, row, prompt: In
   c = slots.cache
   p = prompt.shape[0]
   sub = KVCache(k=_row_slice(c.k, row, 1), v=_row_slice(c.v, row, 1), valid=jnp.zeros((1, c.max_len), bool),
-                length=jnp.zeros((1,), jnp.int32))
+                length=jnp.zeros((1,), jnp.int32), last_hidden=jnp.zeros_like(_row_slice(c.last_hidden, row, 0)))
   valid_new = (jnp.arange(p) < prompt_len)[None]
   t = jnp.zeros((1,), jnp.float32) if spec.cfg.time_conditioning else None
   _, sub = model.forward_cached(prompt[None], jnp.arange(p, dtype=jnp.int32)[None], sub, commit=True,
                                 valid_new=valid_new, t=t, commit_len=jnp.reshape(prompt_len, (1,)))
   cache = c.replace(k=_row_update(c.k, sub.k, row, 1), v=_row_update(c.v, sub.v, row, 1),
-                    valid=_row_update(c.valid, sub.valid, row, 0), length=_row_update(c.length, sub.length, row, 0))
+                    valid=_row_update(c.valid, sub.valid, row, 0), length=_row_update(c.length, sub.length, row, 0),
+                    last_hidden=_row_update(c.last_hidden, sub.last_hidden, row, 0))
   one = lambda x, v: x.at[row].set(jnp.asarray(v, x.dtype))  # noqa: E731
   return slots.replace(
       cache=cache, gen=slots.gen.at[row].set(sc.mask_id), prompt_len=one(slots.prompt_len, prompt_len),
@@ -185,7 +186,7 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
     return fn(get(s), axis, *(get(o) for o in others))
 
   cache = s.cache.replace(**{name: one(lambda x, name=name: getattr(x.cache, name), 1 if name in ("k", "v") else 0)
-                             for name in ("k", "v", "valid", "length")})
+                             for name in ("k", "v", "valid", "length", "last_hidden")})
   rest = {f.name: one(lambda x, name=f.name: getattr(x, name), 0) for f in dataclasses.fields(s) if f.name != "cache"}
   return s.replace(cache=cache, **rest)
 
