@@ -207,10 +207,11 @@ def test_infill_searches_lengths_and_keeps_prefix_suffix(generator):
     generator.infill("a", "b", sampler=sampler, lengths=())
 
 
-@pytest.mark.parametrize("sampler", [LowConfidenceSampler(steps=4, block_size=8, temperature=1.0),
-                                     ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)],
-                         ids=lambda s: type(s).__name__)
-@pytest.mark.parametrize("which", ["generator", "shifted_generator"])
+@pytest.mark.parametrize("which,sampler", [
+    ("generator", LowConfidenceSampler(steps=4, block_size=8, temperature=1.0)),
+    ("generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)),
+    ("shifted_generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)),
+], ids=["low_confidence", "threshold", "threshold_shifted_head"])
 def test_kv_cached_blocks_equal_uncached_block_causal(request, which, sampler):
   import dataclasses
   generator = request.getfixturevalue(which)
