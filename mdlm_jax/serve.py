@@ -4,6 +4,11 @@ Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
 API: /v1/models, /v1/chat/completions, /v1/completions, /v1/fim/completions,
 plus /health and /metrics. SIGTERM (or Ctrl-C) stops admitting requests, lets
 running ones finish within --shutdown-timeout seconds, and exits 0.
+
+A model too large for one host runs as one process per host (the same command
+on each, connected like training: --coordinator-address/--num-processes/
+--process-id, or auto-detected) with --mesh spanning every device; process 0
+serves HTTP and the others decode in lockstep with it until it stops.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ def parse(argv):
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)
+  p.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process serving)")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
   a = p.parse_args(argv)
   for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes"):
     if getattr(a, name) < 1:
@@ -58,7 +66,12 @@ def build(a):
     n = axes["data"] * axes["fsdp"] * axes["tensor"]
     if n > len(jax.devices()):
       raise ValueError(f"--mesh needs {n} devices; {len(jax.devices())} are visible")
+    if jax.process_count() > 1 and n != len(jax.devices()):
+      raise ValueError(f"--mesh must span all {len(jax.devices())} devices of the {jax.process_count()} processes,"
+                       f" not {n}")
     mesh = sharding.make_mesh(axes, jax.devices()[:n])
+  elif jax.process_count() > 1:
+    raise ValueError(f"a {jax.process_count()}-process server needs --mesh over its {len(jax.devices())} devices")
   path = a.checkpoint or packaged.path()
   loaded = builder.load(path, mesh=mesh)
   bs = loaded.config.diffusion.get("block_size", 0) or 8
@@ -78,9 +91,15 @@ def main(argv=None):
   from mdlm_jax import cli
   cli.drop_closed_loop_noise()
   try:
+    from mdlm_jax import distributed
+    distributed.initialize(a.coordinator_address, a.num_processes, a.process_id)
     engine, app = build(a)
   except cli.USER_ERRORS as e:
     cli.fail("serve", e)
+  import jax
+  if jax.process_index() > 0:
+    follow(engine)
+    return
   import uvicorn
 
   class Server(uvicorn.Server):
@@ -104,6 +123,19 @@ def main(argv=None):
   server.run()
   engine.close(deadline_s=0)
   print("shut down", flush=True)
+
+
+def follow(engine) -> None:
+  """A process other than 0: decode in lockstep with process 0 until it stops.
+  A signal here is left to process 0's shutdown (launchers signal every process)."""
+  import signal
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: None)
+  import jax
+  engine.warmup()
+  print(f"process {jax.process_index()}: following process 0", flush=True)
+  engine.follow()
+  print(f"process {jax.process_index()}: shut down", flush=True)
 
 
 if __name__ == "__main__":

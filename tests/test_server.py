@@ -187,6 +187,66 @@ def test_mesh_server_matches_one_device_and_sigterm_exits_cleanly(tiny_checkpoin
     assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
+def test_two_process_server_matches_one_device_and_stops_on_sigterm(tiny_checkpoints, client):
+  """One server process per host: 2 processes x 2 CPU devices (gloo) with the
+  mesh over all 4; process 0 serves HTTP, process 1 decodes in lockstep. Same
+  completions as one device for the same seeds; SIGTERM stops both, exit 0."""
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MDLM_API_KEY")}
+  proc = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "local.py"), "--num-processes", "2",
+                           "--devices-per-process", "2", "--", sys.executable, "-m", "mdlm_jax.serve",
+                           f"--checkpoint={tiny_checkpoints['mdlm']}", f"--port={port}", "--max-tokens=48",
+                           "--max-prompt-tokens=64", "--slots=4", "--model-id=tiny", "--mesh=data=2,tensor=2"],
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  base = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 240
+    while True:
+      assert proc.poll() is None, proc.stdout.read()
+      assert time.monotonic() < deadline, "the two-process server did not come up"
+      try:
+        if httpx.get(base + "/health", timeout=1).status_code == 200:
+          break
+      except httpx.HTTPError:
+        time.sleep(0.3)
+    two = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # requests share passes across both processes
+      got = list(pool.map(lambda kw: _chat(two, **kw).choices[0].message.content,
+                          [dict(seed=0), dict(seed=1, temperature=1.0), dict(seed=2, temperature=1.0, top_p=0.9)]))
+    want = [_chat(client, **kw).choices[0].message.content
+            for kw in (dict(seed=0), dict(seed=1, temperature=1.0), dict(seed=2, temperature=1.0, top_p=0.9))]
+    assert got == want
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=90)[0]
+  assert proc.returncode == 0, out[-3000:]
+  assert "[p1] process 1: following process 0" in out and "[p1] process 1: shut down" in out
+
+
+def test_turns_survive_the_broadcast_encoding():
+  """What process 0 sends its followers each turn decodes to the same device work."""
+  import numpy as np
+
+  from mdlm_jax.engine.engine import Request, Turn, _decode, _encode
+  from mdlm_jax.engine.slots import SlotConfig
+  sc = SlotConfig(num_slots=4, block_size=8, max_prompt=16, max_new_tokens=32, mask_id=3, eos_id=2)
+  rng = np.random.default_rng(0)
+  admits = [(row, Request(rng.integers(0, 100, size=n).tolist(), 24, threshold=0.7, min_tokens=2,
+                          temperature=0.5, top_p=0.9, seed=10 ** 12, stop=("x",)),
+             rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32))
+            for row, n in ((2, 16), (0, 1))]
+  turn = Turn(release=[1, 3], admits=admits, rows=4, with_head=True)
+  back = _decode(_encode(turn, sc), sc)
+  assert (back.stop, back.release, back.rows, back.with_head) == (False, [1, 3], 4, True)
+  for (row, r, key), (row2, r2, key2) in zip(turn.admits, back.admits, strict=True):
+    assert row2 == row and list(r2.prompt_ids) == list(r.prompt_ids) and r2.max_tokens == r.max_tokens
+    assert r2.min_tokens == r.min_tokens and np.float32(r2.threshold) == np.float32(r.threshold)
+    assert np.float32(r2.temperature) == np.float32(r.temperature) and np.float32(r2.top_p) == np.float32(r.top_p)
+    np.testing.assert_array_equal(key2, key)
+  assert _decode(_encode(Turn(stop=True), sc), sc).stop
+
+
 def test_queue_full_is_429_and_shutdown_is_503(tiny_checkpoints):
   from fastapi.testclient import TestClient
 

@@ -7,6 +7,12 @@ a pass half as long without them), and turns the new state into events for each 
 draft (for clients watching the diffusion), text committed since the last
 turn (a finished block never changes again), and the end. Cancelling a
 request frees its slot at the next turn.
+
+Everything a turn does to the device state is first written down as a `Turn`
+(slots to free, requests to admit, the pass to run). With several processes
+(one per host, the mesh spanning them all) process 0 plans each turn and
+broadcasts it, and every process applies it, so the sharded state changes in
+lockstep; the other processes run `follow()` instead of serving requests.
 """
 
 from __future__ import annotations
@@ -56,6 +62,18 @@ class Event:
   finish_reason: str | None = None
   completion_tokens: int = 0
   passes: int = 0
+
+
+@dataclasses.dataclass
+class Turn:
+  """The device work of one engine turn, in order: free `release` rows,
+  admit `admits` [(row, request, key data)], then run one pass over the
+  first `rows` slots (none when 0). `stop` ends every process's loop."""
+  stop: bool = False
+  release: list[int] = dataclasses.field(default_factory=list)
+  admits: list[tuple[int, Request, np.ndarray]] = dataclasses.field(default_factory=list)
+  rows: int = 0
+  with_head: bool = False
 
 
 class Handle:
@@ -143,13 +161,15 @@ class Engine:
     self.max_queue = max_queue
     self._admit, self._step = slots_lib.compile_programs(loaded.spec, self.sc)
     self._min_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+    state = slots_lib.init_slots(loaded.spec, self.sc)  # on this process's default device
     with self._mesh_context():
-      state = slots_lib.init_slots(loaded.spec, self.sc)
-      if mesh is not None:
-        state = jax.tree.map(lambda x: jax.device_put(x, _row_sharding(mesh, x, num_slots)), state)
+      if mesh is not None:  # each process places the rows of its own devices
+        state = jax.tree.map(lambda x: _place(np.asarray(x), _row_sharding(mesh, x, num_slots)), state)
       else:  # committed, like every later state: the programs compile once, not twice
         state = jax.device_put(state, next(iter(jax.tree.leaves(loaded.params)[0].sharding.device_set)))
       self._state = state
+    self._leader = jax.process_index() == 0
+    self._release_next: list[int] = []  # rows found done by the last publish, freed on device next turn
     self._waiting: collections.deque[Handle] = collections.deque()
     self._slots: list[Handle | None] = [None] * num_slots
     # Host copy of which slots hold a finished block not yet in the cache
@@ -191,11 +211,11 @@ class Engine:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
       for bucket in sorted({_bucket(n, self.sc.max_prompt) for n in range(1, self.sc.max_prompt + 1)}):
-        self._state = self._admit(self.loaded.params, self._state, jnp.int32(0),
-                                  jnp.full((bucket,), self.tok.pad_id, jnp.int32), jnp.int32(1), jnp.int32(1),
-                                  jnp.float32(1.0), jnp.int32(1), jnp.float32(0.0), jnp.float32(1.0),
-                                  jnp.zeros((2,), jnp.uint32))
-      self._state = self._state.replace(active=self._state.active.at[0].set(False))
+        self._state = self._admit(self.loaded.params, self._state, np.int32(0),
+                                  np.full((bucket,), self.tok.pad_id, np.int32), np.int32(1), np.int32(1),
+                                  np.float32(1.0), np.int32(1), np.float32(0.0), np.float32(1.0),
+                                  np.zeros((2,), np.uint32))
+      self._deactivate([0])
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
           self._state = self._step(self.loaded.params, self._state, rows=rows, with_head=with_head)
@@ -260,20 +280,21 @@ class Engine:
       with self._mesh_context():
         while True:
           with self._lock:
-            while not self._stop and not self._waiting and not any(self._slots):
+            if not self._stop and not self._waiting and not any(self._slots):
+              # Idle. With followers, an empty turn every half second keeps
+              # them (and their collectives) from waiting indefinitely.
               self._lock.wait(timeout=0.5)
-            if self._stop:
-              return
-          self._admit_waiting()
-          self._drop_cancelled()
-          busy = [i for i, h in enumerate(self._slots) if h is not None]
-          if busy:
-            with_head = self._pass_with_head(busy)
-            self._state = self._step(self.loaded.params, self._state, rows=self._rows_for(busy[-1] + 1),
-                                     with_head=with_head)
+            idle = not self._stop and not self._waiting and not any(self._slots)
+          if idle and jax.process_count() == 1 and not self._release_next:
+            continue
+          turn = self._share(self._plan())
+          self._apply(turn)
+          if turn.stop:
+            return
+          if turn.rows:
             self.stats["steps"] += 1
-            self.stats["steps_with_head" if with_head else "steps_without_head"] += 1
-            self._publish()
+            self.stats["steps_with_head" if turn.with_head else "steps_without_head"] += 1
+            self._publish(self._gather())
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
       with self._lock:
@@ -283,6 +304,93 @@ class Engine:
       for h in handles:
         h._push(Event("done", "", "error"))
       raise
+
+  def follow(self) -> None:
+    """The loop of every process but 0 in a multi-process engine: apply the
+    turns process 0 broadcasts, until it stops. Warm up first, as process 0 does."""
+    if self._leader:
+      raise RuntimeError("process 0 plans the turns: start() it instead")
+    with self._mesh_context():
+      while True:
+        turn = self._share(None)
+        self._apply(turn)
+        if turn.stop:
+          return
+        if turn.rows:
+          self._gather()
+
+  def _plan(self) -> Turn:
+    """Process 0's host bookkeeping for the next turn: done and cancelled slots
+    are freed, waiting requests take free slots, and the busy prefix gets a pass."""
+    turn = Turn(release=self._release_next)
+    self._release_next = []
+    with self._lock:
+      if self._stop:
+        turn.stop = True
+        return turn
+    for row, h in enumerate(self._slots):
+      if h is not None and h.cancelled:
+        turn.release.append(row)
+        self._release(row, Event("done", h.emitted, "cancelled"))
+    while True:
+      with self._lock:
+        free = [i for i, h in enumerate(self._slots) if h is None]
+        if not free or not self._waiting:
+          break
+        h = self._waiting.popleft()
+        if h.cancelled:
+          h._push(Event("done", "", "cancelled"))
+          continue
+        row = free[0]
+        self._slots[row] = h
+        self._head[row] = False
+      h.slot = row
+      key = np.asarray(jax.random.key_data(jax.random.key(h.request.seed)), np.uint32)
+      turn.admits.append((row, h.request, key))
+      self.stats["admitted"] += 1
+      if h.want_drafts:
+        h._push(Event("draft", MASK_TEXT * h.request.max_tokens))
+    busy = [i for i, h in enumerate(self._slots) if h is not None]
+    if busy:
+      turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy)
+    return turn
+
+  def _share(self, turn: Turn | None) -> Turn:
+    """Process 0's turn on every process (itself when it runs alone)."""
+    if jax.process_count() == 1:
+      return turn
+    from jax.experimental import multihost_utils
+    arrays = _encode(turn if self._leader else Turn(), self.sc)
+    return _decode(jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(arrays)), self.sc)
+
+  def _apply(self, turn: Turn) -> None:
+    """The turn's device work; every process runs exactly this."""
+    self._deactivate(turn.release)
+    for row, r, key in turn.admits:
+      bucket = _bucket(len(r.prompt_ids), self.sc.max_prompt)
+      prompt = np.full((bucket,), self.tok.pad_id, np.int32)
+      prompt[:len(r.prompt_ids)] = r.prompt_ids
+      n_blocks = -(-r.max_tokens // self.sc.block_size)
+      self._state = self._admit(self.loaded.params, self._state, np.int32(row), prompt,
+                                np.int32(len(r.prompt_ids)), np.int32(n_blocks), np.float32(r.threshold),
+                                np.int32(r.min_tokens), np.float32(r.temperature), np.float32(r.top_p), key)
+    if turn.rows:
+      self._state = self._step(self.loaded.params, self._state, rows=turn.rows, with_head=turn.with_head)
+
+  def _deactivate(self, rows: Sequence[int]) -> None:
+    if rows:
+      mask = np.zeros(self.num_slots, bool)
+      mask[list(rows)] = True
+      self._state = self._state.replace(active=_clear_rows(self._state.active, mask))
+
+  def _gather(self):
+    """Host copies of what a publish reads, from every process's rows."""
+    s = self._state
+    arrays = (s.gen, s.block, s.active, s.passes, s.head)
+    if jax.process_count() == 1:
+      return jax.device_get(arrays)
+    from jax.experimental import multihost_utils
+    return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     """Whether the next pass carries the finished blocks: when at least half
@@ -302,40 +410,6 @@ class Engine:
       rows *= 2
     return min(rows, self.num_slots)
 
-  def _admit_waiting(self) -> None:
-    while True:
-      with self._lock:
-        free = [i for i, h in enumerate(self._slots) if h is None]
-        if not free or not self._waiting:
-          return
-        h = self._waiting.popleft()
-        if h.cancelled:
-          h._push(Event("done", "", "cancelled"))
-          continue
-        row = free[0]
-        self._slots[row] = h
-        self._head[row] = False
-      r = h.request
-      bucket = _bucket(len(r.prompt_ids), self.sc.max_prompt)
-      prompt = np.full((bucket,), self.tok.pad_id, np.int32)
-      prompt[:len(r.prompt_ids)] = r.prompt_ids
-      n_blocks = -(-r.max_tokens // self.sc.block_size)
-      key = np.asarray(jax.random.key_data(jax.random.key(r.seed)), np.uint32)
-      self._state = self._admit(self.loaded.params, self._state, jnp.int32(row), jnp.asarray(prompt),
-                                jnp.int32(len(r.prompt_ids)), jnp.int32(n_blocks), jnp.float32(r.threshold),
-                                jnp.int32(r.min_tokens), jnp.float32(r.temperature), jnp.float32(r.top_p),
-                                jnp.asarray(key))
-      h.slot = row
-      self.stats["admitted"] += 1
-      if h.want_drafts:
-        h._push(Event("draft", MASK_TEXT * r.max_tokens))
-
-  def _drop_cancelled(self) -> None:
-    for row, h in enumerate(self._slots):
-      if h is not None and h.cancelled:
-        self._state = self._state.replace(active=self._state.active.at[row].set(False))
-        self._release(row, Event("done", h.emitted, "cancelled"))
-
   def _release(self, row: int, ev: Event) -> None:
     with self._lock:
       h = self._slots[row]
@@ -344,9 +418,8 @@ class Engine:
     h._push(ev)
     self.stats["finished"] += 1
 
-  def _publish(self) -> None:
-    s = self._state
-    gen, block, active, passes, head = jax.device_get((s.gen, s.block, s.active, s.passes, s.head))
+  def _publish(self, arrays) -> None:
+    gen, block, active, passes, head = arrays
     self._head = head & active
     bs = self.sc.block_size
     for row, h in enumerate(self._slots):
@@ -378,7 +451,7 @@ class Engine:
         h.emitted = text
       if done:
         if active[row]:
-          self._state = self._state.replace(active=self._state.active.at[row].set(False))
+          self._release_next.append(row)
         reason = "stop" if (stopped or hit_eos) else "length"
         self._release(row, Event("done", h.emitted, reason, completion_tokens=len(committed),
                                  passes=int(passes[row])))
@@ -401,3 +474,48 @@ def _row_sharding(mesh, x: Any, num_slots: int):
   if x.ndim >= 1 and x.shape[0] == num_slots:
     return NamedSharding(mesh, P(batch))
   return NamedSharding(mesh, P())
+
+
+@jax.jit
+def _clear_rows(active, mask):
+  return active & ~mask
+
+
+def _place(x: np.ndarray, sharding) -> jax.Array:
+  """A host array every process holds in full, as a global array: each process
+  places the slices of its own devices (device_put cannot span processes)."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+_SETTINGS = ("threshold", "temperature", "top_p")
+
+
+def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
+  """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
+  n = sc.num_slots
+  out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head], np.int32),
+         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 4), np.int32),
+         "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
+         "prompts": np.zeros((n, sc.max_prompt), np.int32)}
+  out["release"][turn.release] = 1
+  for i, (row, r, key) in enumerate(turn.admits):
+    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.min_tokens)
+    out["floats"][i] = [getattr(r, f) for f in _SETTINGS]
+    out["keys"][i] = key
+    out["prompts"][i, :len(r.prompt_ids)] = r.prompt_ids
+  return out
+
+
+def _decode(a: dict[str, np.ndarray], sc) -> Turn:
+  """The turn `_encode` wrote: what touches the device. Stop strings and seeds
+  stay on process 0 (text matching is host work; the key is sent instead)."""
+  stop, n_admits, rows, with_head = (int(v) for v in a["head"])
+  admits = []
+  for i in range(n_admits):
+    row, plen, max_tokens, min_tokens = (int(v) for v in a["ints"][i])
+    threshold, temperature, top_p = (float(v) for v in a["floats"][i])
+    admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, threshold=threshold,
+                                min_tokens=min_tokens, temperature=temperature, top_p=top_p),
+                   a["keys"][i].astype(np.uint32)))
+  return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, rows=rows,
+              with_head=bool(with_head))
