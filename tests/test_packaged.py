@@ -1,5 +1,6 @@
 """The models shipped in the package: present, consistent, and sampling with no flags."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,8 +22,9 @@ def test_packaged_pair_loads_and_matches():
   assert diffusion.tokenizer.to_bytes() == ar.tokenizer.to_bytes()
   assert diffusion.config.diffusion.block_size > 0 and not diffusion.spec.cfg.causal
   assert ar.spec.cfg.causal and ar.config.objective == "ar"
-  # Twins: the same network but for causality.
-  assert dict(diffusion.config.model, causal=True) == dict(ar.config.model)
+  # Twins: the same network but for causality and which state scores a token (no parameter differs).
+  assert diffusion.spec.cfg.shift_logits
+  assert dataclasses.replace(diffusion.spec.cfg, causal=True, shift_logits=False) == ar.spec.cfg
   for loaded in (diffusion, ar):
     for name, leaf in params_only.flatten(loaded.params).items():
       assert np.all(np.isfinite(np.asarray(leaf))), name
