@@ -98,7 +98,7 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   return model.logits(shifted_noisy_states(hidden, block_size))
 
 
-def shifted_noisy_states(hidden: Float[Array, "b 2l d"], block_size: int) -> Float[Array, "b l d"]:
+def shifted_noisy_states(hidden: Float[Array, "b l2 d"], block_size: int) -> Float[Array, "b l d"]:
   """The states a shifted head scores noisy token i from: noisy i - 1 inside a
   block; at a block's first token, clean i - 1 (the end of the context, which
   a KV-cached sampler holds as the cache's last state); token 0 its own."""

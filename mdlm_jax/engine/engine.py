@@ -25,7 +25,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mdlm_jax.builder import LoadedModel
