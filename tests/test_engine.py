@@ -77,6 +77,18 @@ def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
   assert not e._pass_with_head(busy)
 
 
+def test_a_light_pass_does_not_copy_the_cache(loaded):
+  """A pass over the first slots only must update the slot state in place:
+  a copy of the whole per-row cache costs more than the pass itself."""
+  import re
+  e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
+  full = ",".join(str(d) for d in e._state.cache.k.shape)
+  for with_head in (True, False):
+    hlo = e._step.lower(loaded.params, e._state, rows=1, with_head=with_head).compile().as_text()
+    copies = re.findall(rf"= f32\[{full}\]\S* copy\(", hlo)
+    assert not copies, f"with_head={with_head}: {len(copies)} copies of the whole cache"
+
+
 def test_sampled_tokens_do_not_depend_on_company(loaded, engine):
   req = _request(loaded, PROMPTS[0], max_tokens=16, temperature=1.0, seed=7, threshold=0.8, min_tokens=2)
   alone = engine.submit(req).result(timeout=120).text

@@ -197,7 +197,11 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
   if rows == sc.num_slots:
     return step(spec, sc, params, s, with_head)
   head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head)
-  return _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
+  out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
+  # A pass without head commits nothing to the cache. Writing its unchanged
+  # rows back would make XLA copy the whole cache (twice) to order the read
+  # before the in-place update: most of such a pass's time at a light load.
+  return out if with_head else out.replace(cache=s.cache)
 
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
