@@ -8,6 +8,10 @@ sending --requests-per-client non-streaming completions in turn (prompts from
 held-out validation code). Reports p50/p95 latency and total tokens/s per
 level, the HTTP overhead at concurrency 1 against calling the engine directly,
 and the throughput gained by batching (highest level against 1).
+
+The overhead comes from --overhead-pairs pairs, each the same request sent to
+the engine and then over HTTP, back to back: pairing cancels the drift of a
+shared machine's speed, which otherwise swamps a difference of milliseconds.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ def parse(argv):
   p.add_argument("--slots", type=int, default=16)
   p.add_argument("--concurrency", default="1,4,16")
   p.add_argument("--requests-per-client", type=int, default=3)
+  p.add_argument("--overhead-pairs", type=int, default=8,
+                 help="engine-then-HTTP pairs of one request each, for the HTTP overhead at 1 client")
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--effort", default="medium", choices=EFFORTS)
   add_output_flags(p, "bench_serve.png", "latency/throughput plot")
   a = p.parse_args(argv)
   a.concurrency = positive_ints(p, "--concurrency", a.concurrency)
-  if a.requests_per_client < 1 or a.slots < 1:
-    p.error("--requests-per-client and --slots must be positive")
+  if a.requests_per_client < 1 or a.slots < 1 or a.overhead_pairs < 1:
+    p.error("--requests-per-client, --overhead-pairs and --slots must be positive")
   return a
 
 
@@ -56,6 +62,7 @@ def _free_port() -> int:
 
 def main(argv):
   a = parse(argv)
+  import numpy as np
   from absl import logging
   logging.set_verbosity(logging.ERROR)
   import httpx
@@ -111,11 +118,18 @@ def main(argv):
     http_call(i)
   result = {"bench": "serve", "checkpoint": path, "slots": a.slots, "max_tokens": a.max_tokens,
             "effort": a.effort, "levels": {}}
-  n = a.requests_per_client * max(1, min(a.concurrency))
-  t0 = time.perf_counter()
-  runs = [engine_call(i) for i in range(n)]
-  result["engine_in_process_c1"] = _summary([r[0] for r in runs], sum(r[1] for r in runs), time.perf_counter() - t0)
+  pairs = [(engine_call(i), http_call(i)) for i in range(a.overhead_pairs)]
+  direct, served = [p[0] for p in pairs], [p[1] for p in pairs]
+  result["engine_in_process_c1"] = _summary([r[0] for r in direct], sum(r[1] for r in direct),
+                                            sum(r[0] for r in direct))
+  result["http_paired_c1"] = _summary([r[0] for r in served], sum(r[1] for r in served), sum(r[0] for r in served))
+  if any(d[1] != h[1] for d, h in pairs):
+    raise RuntimeError("the engine and the server gave different token counts for the same request")
+  result["http_overhead_c1"] = sum(h[0] for h in served) / sum(d[0] for d in direct) - 1.0
+  result["http_overhead_c1_median"] = float(np.median([h[0] / d[0] - 1.0 for d, h in zip(direct, served)]))
   print(f"engine in-process, 1 client: {json.dumps(result['engine_in_process_c1'])}", file=sys.stderr, flush=True)
+  print(f"http paired with it: {json.dumps(result['http_paired_c1'])}; overhead {result['http_overhead_c1']:.1%}"
+        f" (median pair {result['http_overhead_c1_median']:.1%})", file=sys.stderr, flush=True)
   for c in a.concurrency:
     jobs = c * a.requests_per_client
 
@@ -130,8 +144,6 @@ def main(argv):
     print(f"http, {c} clients: {json.dumps(result['levels'][str(c)])}", file=sys.stderr, flush=True)
   levels = result["levels"]
   if "1" in levels:
-    eng = result["engine_in_process_c1"]["mean_latency_s"]
-    result["http_overhead_c1"] = levels["1"]["mean_latency_s"] / eng - 1.0
     top = str(max(a.concurrency))
     result["throughput_gain"] = levels[top]["tokens_per_s"] / levels["1"]["tokens_per_s"]
   server.should_exit = True
