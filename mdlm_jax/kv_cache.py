@@ -22,8 +22,11 @@ from mdlm_jax.sharding import constrain
 if TYPE_CHECKING:
   from mdlm_jax.model import ModelConfig
 
-STACKED_AXES = (None, "batch", "length", "act_kv_heads", None)
-LAYER_AXES = ("batch", "length", "act_kv_heads", None)
+# Keys are kept as [layer, batch, head, dim, slot] and values as [layer,
+# batch, head, slot, dim]: the layouts the attention matmuls read (q k^T and
+# p v, batched over heads) without first copying every layer's cache.
+K_AXES = (None, "batch", "act_kv_heads", None, "length")
+V_AXES = (None, "batch", "act_kv_heads", "length", None)
 
 
 @struct.dataclass
@@ -38,8 +41,8 @@ class KVCache:
   stored after RoPE, so a slot's position is baked in when written.
   """
 
-  k: Float[Array, "n b s g d"]  # g: kv heads (fewer than query heads under GQA)
-  v: Float[Array, "n b s g d"]
+  k: Float[Array, "n b g d s"]  # g: kv heads (fewer than query heads under GQA)
+  v: Float[Array, "n b g s d"]
   valid: Bool[Array, "b s"]
   length: Int[Array, ""] | Int[Array, "b"]
   # Final hidden state of the last filled slot: what a shifted head
@@ -48,9 +51,10 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: "ModelConfig", batch: int, max_len: int, *, per_row: bool = False) -> "KVCache":
-    shape = (cfg.num_layers, batch, max_len, cfg.resolved_kv_heads, cfg.resolved_head_dim)
+    n, g, d = cfg.num_layers, cfg.resolved_kv_heads, cfg.resolved_head_dim
     dt = compute_dtype(cfg.dtype)
-    return cls(k=constrain(jnp.zeros(shape, dt), STACKED_AXES), v=constrain(jnp.zeros(shape, dt), STACKED_AXES),
+    return cls(k=constrain(jnp.zeros((n, batch, g, d, max_len), dt), K_AXES),
+               v=constrain(jnp.zeros((n, batch, g, max_len, d), dt), V_AXES),
                valid=constrain(jnp.zeros((batch, max_len), jnp.bool_), ("batch", "length")),
                length=jnp.zeros((batch,) if per_row else (), jnp.int32),
                last_hidden=constrain(jnp.zeros((batch, cfg.embed_dim), dt), ("batch", "act_embed")))
@@ -67,7 +71,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.v.shape[3]
 
   def attention_mask(self, valid_new: Bool[Array, "b t"], *, causal: bool, new_block: int = 0
                      ) -> tuple[Bool[Array, "b s"], Bool[Array, "b 1 t s"]]:
@@ -112,17 +116,22 @@ class KVCache:
 
     The caller must leave room: `dynamic_update_slice` clamps an offset that
     would run past max_len instead of failing."""
+    k = k.transpose(0, 2, 3, 1).astype(self.k.dtype)  # [b, g, d, t]
+    v = v.transpose(0, 2, 1, 3).astype(self.v.dtype)  # [b, g, t, d]
     if not self.per_row:
-      start = (layer, 0, self.length, 0, 0)
-      nk = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
-      nv = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+      nk = jax.lax.dynamic_update_slice(self.k, k[None], (layer, 0, 0, 0, self.length))
+      nv = jax.lax.dynamic_update_slice(self.v, v[None], (layer, 0, 0, self.length, 0))
     else:
-      nk = self.k.at[layer].set(self._at_length(self.k[layer], k.astype(self.k.dtype), 1))
-      nv = self.v.at[layer].set(self._at_length(self.v[layer], v.astype(self.v.dtype), 1))
-    return self.replace(k=constrain(nk, STACKED_AXES), v=constrain(nv, STACKED_AXES))
+      nk = self.k.at[layer].set(self._at_length(self.k[layer], k, 3))
+      nv = self.v.at[layer].set(self._at_length(self.v[layer], v, 2))
+    return self.replace(k=constrain(nk, K_AXES), v=constrain(nv, V_AXES))
 
   def layer(self, layer: int) -> tuple[Float[Array, "b s g d"], Float[Array, "b s g d"]]:
-    return constrain(self.k[layer], LAYER_AXES), constrain(self.v[layer], LAYER_AXES)
+    """One layer's keys and values as [b, s, g, d], the attention kernels' layout
+    (transposed views: the reference attention's own transposes undo them)."""
+    k = constrain(self.k[layer], K_AXES[1:]).transpose(0, 3, 1, 2)
+    v = constrain(self.v[layer], V_AXES[1:]).transpose(0, 2, 1, 3)
+    return k, v
 
   def kept_valid(self, valid: Bool[Array, "b s"], keep) -> Bool[Array, "b s"]:
     """`valid` with every slot past each row's length + keep cleared."""

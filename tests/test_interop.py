@@ -191,7 +191,7 @@ def test_gqa_kv_cache_holds_only_kv_heads(tok):
   spec = builder.model_spec(cfg, None)
   model = builder.bind(spec, params)
   cache = KVCache.init(cfg, 2, 12)
-  assert cache.k.shape == (2, 2, 12, 2, 8)
+  assert cache.k.shape == (2, 2, 2, 8, 12)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, tok.vocab_size, (2, 12)))
   pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
   full = np.asarray(model(tokens))

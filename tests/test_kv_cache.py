@@ -106,7 +106,10 @@ def assert_same_cache(a, b):
 def test_init_shapes_and_dtype():
   cfg = ModelConfig(**BASE, head_dim=6, dtype="bfloat16")
   c = KVCache.init(cfg, 3, 11)
-  assert c.k.shape == c.v.shape == (2, 3, 11, 4, 6) and c.k.dtype == jnp.bfloat16
+  # Keys as [layer, row, head, dim, slot], values as [layer, row, head, slot, dim].
+  assert c.k.shape == (2, 3, 4, 6, 11) and c.v.shape == (2, 3, 4, 11, 6) and c.k.dtype == jnp.bfloat16
+  k, v = c.layer(1)
+  assert k.shape == v.shape == (3, 11, 4, 6)
   assert c.valid.shape == (3, 11) and not np.any(c.valid) and int(c.length) == 0 and c.max_len == 11
 
 
@@ -233,4 +236,5 @@ def test_cache_under_mesh_matches_single_device():
       logits, cache = step(params, tokens[:, pos:pos + 1], arange_pos(B, pos, 1), cache, commit=True)
       np.testing.assert_allclose(np.asarray(logits[:, 0]), ref[:, pos], **TOL)
     # Each device holds half the rows and half the heads of every layer.
-    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, 1, P + 2, 2, 8)
+    assert cache.k.sharding.shard_shape(cache.k.shape) == (2, 1, 2, 8, P + 2)
+    assert cache.v.sharding.shard_shape(cache.v.shape) == (2, 1, 2, P + 2, 8)

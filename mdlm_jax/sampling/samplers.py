@@ -175,7 +175,12 @@ class _ConfidenceBase:
     commit_len, new_block)` -> (logits, cache), `new_cache(batch, max_len)` and
     `positions` [B, L]. The first step of a block also encodes what came
     before it, the finished block or the prompt, into the cache in the same
-    pass, so a block costs exactly its steps and the prompt no pass of its own."""
+    pass, so a block costs exactly its steps and the prompt no pass of its own.
+
+    Two nested loops, over blocks and over a block's later steps, rather than
+    one loop choosing the pass by a conditional: the later steps only read the
+    cache, which the inner loop holds as a constant, and no conditional passes
+    the cache through (XLA copies the whole cache there, on every pass)."""
     bs = self.block_size
     if bs <= 0 or lay.gen_len % bs:
       raise ValueError(f"KV-cached decoding needs the generation length ({lay.gen_len}) to be a multiple of"
@@ -187,35 +192,31 @@ class _ConfidenceBase:
     cache = model.new_cache(B, gs + lay.gen_len)
     drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
     drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
+    head = {"head": True} if self.fused_head else {}
 
     def cond(s):
       return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
 
-    def body(s):
+    def encode_prompt_and_refine(s, blk, pos):
+      return model.cached(jnp.concatenate([s["tokens"][:, :gs], blk], 1), positions[:, :gs + bs], s["cache"], True,
+                          valid[:, :gs + bs], gs, bs, **head)
+
+    def encode_previous_and_refine(s, blk, pos):
+      lo = gs + s["block"] * bs
+      prev = jax.lax.dynamic_slice_in_dim(s["tokens"], lo - bs, bs, axis=1)
+      prev_pos = jax.lax.dynamic_slice_in_dim(positions, lo - bs, bs, axis=1)
+      return model.cached(jnp.concatenate([prev, blk], 1), jnp.concatenate([prev_pos, pos], 1), s["cache"], True,
+                          None, bs, bs, **head)
+
+    def refine(s, blk, pos):
+      return model.cached(blk, pos, s["cache"], False, None, None, 0, **head)
+
+    def advance(s, forward):
       key, k_prop = jax.random.split(s["key"])
       lo = gs + s["block"] * bs
       blk = jax.lax.dynamic_slice_in_dim(s["tokens"], lo, bs, axis=1)
       pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
-
-      head = {"head": True} if self.fused_head else {}
-
-      def refine():
-        return model.cached(blk, pos, s["cache"], False, None, None, 0, **head)
-
-      def encode_previous_and_refine():
-        prev = jax.lax.dynamic_slice_in_dim(s["tokens"], lo - bs, bs, axis=1)
-        prev_pos = jax.lax.dynamic_slice_in_dim(positions, lo - bs, bs, axis=1)
-        logits, cache = model.cached(jnp.concatenate([prev, blk], 1), jnp.concatenate([prev_pos, pos], 1),
-                                     s["cache"], True, None, bs, bs, **head)
-        return logits, cache
-
-      def encode_prompt_and_refine():
-        logits, cache = model.cached(jnp.concatenate([s["tokens"][:, :gs], blk], 1), positions[:, :gs + bs],
-                                     s["cache"], True, valid[:, :gs + bs], gs, bs, **head)
-        return logits, cache
-
-      branch = jnp.where(s["step"] > 0, 0, jnp.where(s["block"] > 0, 1, 2))
-      logits, cache = jax.lax.switch(branch, (refine, encode_previous_and_refine, encode_prompt_and_refine))
+      logits, cache = forward(s, blk, pos)
       x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature, lo + jnp.arange(bs))
       candidates = (blk == lay.mask_id) & ~s["done"][:, None]
       commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
@@ -231,7 +232,17 @@ class _ConfidenceBase:
     init = {"tokens": tokens, "cache": cache, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
             "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
             "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.zeros((), jnp.int32)}
-    out = jax.lax.while_loop(cond, body, init)
+    def finish_block(s):
+      """The block's steps after its first, while it has masks left."""
+      cache = s["cache"]
+      rest = {k: v for k, v in s.items() if k != "cache"}
+      rest = jax.lax.while_loop(lambda r: (r["step"] > 0) & cond(r),
+                                lambda r: {k: v for k, v in advance({**r, "cache": cache}, refine).items()
+                                           if k != "cache"}, rest)
+      return {**rest, "cache": cache}
+
+    first = finish_block(advance(init, encode_prompt_and_refine))
+    out = jax.lax.while_loop(cond, lambda s: finish_block(advance(s, encode_previous_and_refine)), first)
     return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
             "num_drafts": out["n_drafts"]}
 
