@@ -33,9 +33,10 @@ def test_bench_serve(tiny_checkpoints, tmp_path):
 
 def test_bench_sample(tiny_checkpoints, tmp_path):
   out = _bench("sample", f"--mdlm={tiny_checkpoints['mdlm']}", f"--ar={tiny_checkpoints['ar']}", "--skip-100m",
-               "--num-prompts=1", "--batch-sizes=1", "--efforts=medium", "--new-tokens=16", "--prompt-tokens=16",
-               tmp_path=tmp_path)
+               "--num-prompts=1", "--batch-sizes=1", "--efforts=medium", "--repeats=2", "--new-tokens=16",
+               "--prompt-tokens=16", tmp_path=tmp_path)
   rows = out["batches"]["1"]
+  assert out["repeats"] == 2
   assert set(rows) == {"medium", "ar"} and rows["ar"]["tokens_per_forward"] <= 1.0
 
 
