@@ -65,6 +65,22 @@ def test_a_shifted_head_matches_the_generator(loaded):
     e.close(deadline_s=1)
 
 
+def test_passes_over_some_slots_match_the_generator(loaded):
+  """Three requests in 8 slots run passes over the first 4 only (rows sliced
+  out of the state, written back in place, the cache by its written window)."""
+  gen = Generator(loaded)
+  e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=24, block_size=8).start()
+  try:
+    handles = [e.submit(_request(loaded, p, max_tokens=24, **kw)) for p, kw in zip(PROMPTS, SETTINGS)]
+    for h, p, kw in zip(handles, PROMPTS, SETTINGS):
+      want = gen.generate([p], max_new_tokens=24, seed=0,
+                          sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
+      assert h.result(timeout=120).text == want.text
+    assert e.stats["steps_with_head"] > 0 and e.stats["steps_without_head"] > 0
+  finally:
+    e.close(deadline_s=1)
+
+
 def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
   e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8)
   busy = [0, 1, 2, 3]
@@ -77,16 +93,17 @@ def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
   assert not e._pass_with_head(busy)
 
 
-def test_a_light_pass_does_not_copy_the_cache(loaded):
-  """A pass over the first slots only must update the slot state in place:
-  a copy of the whole per-row cache costs more than the pass itself."""
+def test_passes_do_not_copy_the_cache(loaded):
+  """A pass (over the first slots, or all) must update the slot state in
+  place: a copy of the whole per-row cache costs more than the pass itself."""
   import re
   e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
-  full = ",".join(str(d) for d in e._state.cache.k.shape)
-  for with_head in (True, False):
-    hlo = e._step.lower(loaded.params, e._state, rows=1, with_head=with_head).compile().as_text()
-    copies = re.findall(rf"= f32\[{full}\]\S* copy\(", hlo)
-    assert not copies, f"with_head={with_head}: {len(copies)} copies of the whole cache"
+  full = "|".join(",".join(str(d) for d in x.shape) for x in (e._state.cache.k, e._state.cache.v))
+  for rows in (1, 8):
+    for with_head in (True, False):
+      hlo = e._step.lower(loaded.params, e._state, rows=rows, with_head=with_head).compile().as_text()
+      copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
+      assert not copies, f"rows={rows}, with_head={with_head}: {len(copies)} copies of the whole cache"
 
 
 def test_sampled_tokens_do_not_depend_on_company(loaded, engine):

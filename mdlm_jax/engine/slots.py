@@ -162,7 +162,11 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
                                          commit_len=jnp.where(head_valid, bs, 0), new_block=bs)
   else:
     moving = s.active & ~s.head
-    logits, cache = model.forward_cached(tail, tail_pos, s.cache, commit=False, t=t)
+    # Committing 0 tokens: the tail's keys are written past each fill point,
+    # where nothing reads them, into the donated cache in place. (commit=False
+    # hands back the input cache, so the write would need a copy of all of it.)
+    logits, cache = model.forward_cached(tail, tail_pos, s.cache, commit=True, t=t,
+                                         commit_len=jnp.zeros_like(s.prompt_len))
   x0, conf = _propose(logits, s.key, s.block, s.step, s.temperature, s.top_p, sc.mask_id)
   candidates = (tail == sc.mask_id) & moving[:, None]
   conf = jnp.where(candidates, conf, -1.0)
@@ -201,7 +205,20 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
   # A pass without head commits nothing to the cache. Writing its unchanged
   # rows back would make XLA copy the whole cache (twice) to order the read
   # before the in-place update: most of such a pass's time at a light load.
-  return out if with_head else out.replace(cache=s.cache)
+  if not with_head:
+    return out.replace(cache=s.cache)
+  # A pass with head committed at most a block at each row's fill point: only
+  # that window goes back, not the rows' whole cache (what it wrote after the
+  # window lies past the fill point, where nothing reads it).
+  w = sc.block_size
+  start = jnp.minimum(s.cache.length[:rows], sc.cache_len - w)
+  k, v = s.cache.k, s.cache.v
+  for r in range(rows):
+    k = lax.dynamic_update_slice(k, lax.dynamic_slice_in_dim(head.cache.k[:, r:r + 1], start[r], w, axis=4),
+                                 (0, r, 0, 0, start[r]))
+    v = lax.dynamic_update_slice(v, lax.dynamic_slice_in_dim(head.cache.v[:, r:r + 1], start[r], w, axis=3),
+                                 (0, r, 0, start[r], 0))
+  return out.replace(cache=out.cache.replace(k=k, v=v))
 
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
