@@ -212,12 +212,15 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
   # window lies past the fill point, where nothing reads it).
   w = sc.block_size
   start = jnp.minimum(s.cache.length[:rows], sc.cache_len - w)
-  k, v = s.cache.k, s.cache.v
-  for r in range(rows):
-    k = lax.dynamic_update_slice(k, lax.dynamic_slice_in_dim(head.cache.k[:, r:r + 1], start[r], w, axis=4),
-                                 (0, r, 0, 0, start[r]))
-    v = lax.dynamic_update_slice(v, lax.dynamic_slice_in_dim(head.cache.v[:, r:r + 1], start[r], w, axis=3),
-                                 (0, r, 0, start[r], 0))
+
+  def put_row(r, kv):
+    k, v = kv
+    new_k = lax.dynamic_slice_in_dim(lax.dynamic_slice_in_dim(head.cache.k, r, 1, axis=1), start[r], w, axis=4)
+    new_v = lax.dynamic_slice_in_dim(lax.dynamic_slice_in_dim(head.cache.v, r, 1, axis=1), start[r], w, axis=3)
+    return (lax.dynamic_update_slice(k, new_k, (0, r, 0, 0, start[r])),
+            lax.dynamic_update_slice(v, new_v, (0, r, 0, start[r], 0)))
+
+  k, v = lax.fori_loop(0, rows, put_row, (s.cache.k, s.cache.v))
   return out.replace(cache=out.cache.replace(k=k, v=v))
 
 
