@@ -63,13 +63,25 @@ class HeadInput:
   this instead of logits when a sampler asks for the fused head."""
 
   hidden: Float[Array, "b t d"]
-  w: Float[Array, "d v"]
+  w: Float[Array, "d v"] | Float[Array, "v d"]  # [v, d] with out_in
   implementation: str = struct.field(pytree_node=False, default="xla")
+  out_in: bool = struct.field(pytree_node=False, default=False)
+
+  @property
+  def w_dv(self) -> Float[Array, "d v"]:
+    """The output embedding as [d, v], the kernels' operand."""
+    return self.w.T if self.out_in else self.w
 
   def logits(self) -> Float[Array, "b t v"]:
     b, t, d = self.hidden.shape
-    return jax.numpy.matmul(self.hidden.reshape(b * t, d), self.w.astype(self.hidden.dtype),
-                            preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
+    h2, w = self.hidden.reshape(b * t, d), self.w.astype(self.hidden.dtype)
+    if not self.out_in:
+      return jax.numpy.matmul(h2, w, preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
+    # [v, tokens] streams each embedding row once (see mdlm_jax.layers.dense).
+    product = jax.numpy.einsum("vd,nd->vn", w, h2, preferred_element_type=LOGITS_DTYPE)
+    if b * t == 1:  # [v, 1] and [1, v] are the same bytes
+      return product.reshape(b, t, -1)
+    return jax.lax.optimization_barrier(product).T.reshape(b, t, -1)
 
   @property
   def fused(self) -> bool:

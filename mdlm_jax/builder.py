@@ -7,6 +7,7 @@ Parameters live as a pure dict of arrays (the shape orbax and optax like);
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mdlm_jax import checkpoint, params_only, sharding
-from mdlm_jax.model import ModelConfig, Transformer
+from mdlm_jax.model import ModelConfig, Transformer, convert_weight_layout
 from mdlm_jax.hf_tokenizer import HFTokenizer
 from mdlm_jax.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes
 
@@ -44,6 +45,28 @@ def init_params(spec: ModelSpec, seed: int):
     return nnx.to_pure_dict(nnx.state(Transformer(spec.cfg, rngs=nnx.Rngs(seed))))
 
   return jax.jit(init, out_shardings=spec.shardings)()
+
+
+def with_weight_layout(loaded: "LoadedModel", layout: str) -> "LoadedModel":
+  """The same model with its matmul weights stored in `layout` (a copy on the
+  same devices and shardings; the input is unchanged)."""
+  cfg = loaded.spec.cfg
+  if cfg.weight_layout == layout:
+    return loaded
+  first = jax.tree.leaves(loaded.params)[0].sharding
+  spec = model_spec(dataclasses.replace(cfg, weight_layout=layout),
+                    first.mesh if isinstance(first, jax.sharding.NamedSharding) else None)
+  convert = functools.partial(convert_weight_layout, frm=cfg.weight_layout, to=layout)
+  params = jax.jit(convert, out_shardings=spec.shardings)(loaded.params)
+  return dataclasses.replace(loaded, spec=spec, params=params)
+
+
+def for_decoding(loaded: "LoadedModel") -> "LoadedModel":
+  """The model in the weight layout that decodes fastest where its params
+  live: "out_in" on CPU (a few token rows per pass read an [out, in] weight
+  up to 2.5x faster there), as loaded elsewhere."""
+  platform = next(iter(jax.tree.leaves(loaded.params)[0].devices())).platform
+  return with_weight_layout(loaded, "out_in") if platform == "cpu" else loaded
 
 
 def bind(spec: ModelSpec, params) -> Transformer:

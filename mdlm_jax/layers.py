@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -23,11 +24,38 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None
   return nnx.Param(init(rngs.params(), tuple(shape), PARAM_DTYPE), logical_axes=tuple(names))
 
 
-def dense(x2d, w2d, dtype):
+WEIGHT_LAYOUTS = ("in_out", "out_in")
+
+# Each matmul weight's axes in the "out_in" layout, as a permutation of its
+# trained "in_out" axes: the input (contracted) axes move last.
+OUT_IN_PERMUTATIONS = {"wq": (1, 2, 0), "wk": (1, 2, 0), "wv": (1, 2, 0), "wo": (2, 0, 1),
+                       "w_gate": (1, 0), "w_up": (1, 0), "w_down": (1, 0), "head": (1, 0)}
+
+
+def dense(x2d, w2d, dtype, out_in: bool = False):
   """A matmul on [tokens, features]. Activations are flattened to 2-D before
   every weight matmul: XLA:CPU runs the backward of a [b, l, d] x [d, m]
-  contraction at half the speed of the same product on [b * l, d]."""
-  return x2d.astype(dtype) @ w2d.astype(dtype)
+  contraction at half the speed of the same product on [b * l, d].
+
+  With `out_in` the weight is stored [out, in]. Against a few token rows
+  (decoding) XLA:CPU forms [out, tokens] from such a weight up to 2.5x faster
+  than [tokens, out] from an [in, out] one, streaming each weight row once;
+  the barrier keeps XLA from folding the transpose back into the product."""
+  if not out_in:
+    return x2d.astype(dtype) @ w2d.astype(dtype)
+  product = jnp.einsum("nk,mk->nm", w2d.astype(dtype), x2d.astype(dtype))
+  if x2d.shape[0] == 1:  # one row: [out, 1] and [1, out] are the same bytes
+    return product.reshape(1, -1)
+  return jax.lax.optimization_barrier(product).T
+
+
+def matmul_weight(rngs: nnx.Rngs, name: str, init, shape: Sequence[int], names: Sequence[str], out_in: bool):
+  """`param` for the matmul weight `name`, given by its in_out shape and axis
+  names and stored in the chosen layout (axes and names permuted alike)."""
+  if out_in:
+    perm = OUT_IN_PERMUTATIONS[name]
+    shape, names = [shape[i] for i in perm], [names[i] for i in perm]
+  return param(rngs, init, shape, names)
 
 
 def fan_in_init(fan_in: int):
@@ -62,16 +90,17 @@ class Attention(nnx.Module):
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
                attention_impl: str, dtype, rngs: nnx.Rngs, num_kv_heads: int | None = None,
-               qkv_bias: bool = False):
+               qkv_bias: bool = False, out_in: bool = False):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-    self.rope_theta, self.attention_impl, self.dtype = rope_theta, attention_impl, dtype
+    self.rope_theta, self.attention_impl, self.dtype, self.out_in = rope_theta, attention_impl, dtype, out_in
     init = fan_in_init(embed_dim)
-    self.wq = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
-    self.wk = param(rngs, init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
-    self.wv = param(rngs, init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
-    self.wo = param(rngs, fan_in_init(num_heads * head_dim), (num_heads, head_dim, embed_dim),
-                    ("heads", "kv", "embed"))
+    weight = functools.partial(matmul_weight, rngs, out_in=out_in)
+    self.wq = weight("wq", init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
+    self.wk = weight("wk", init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
+    self.wv = weight("wv", init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
+    self.wo = weight("wo", fan_in_init(num_heads * head_dim), (num_heads, head_dim, embed_dim),
+                     ("heads", "kv", "embed"))
     if qkv_bias:
       zeros = nnx.initializers.zeros
       self.bq = param(rngs, zeros, (num_heads, head_dim), ("heads", "kv"))
@@ -86,8 +115,12 @@ class Attention(nnx.Module):
   def _project(self, x2, w, b, shape):
     """[tokens, d] @ [d, heads, k] (+ bias), reshaped to [b, l, heads, k]."""
     w = w[...]
-    heads, k = w.shape[1:]
-    y = dense(x2, w.reshape(-1, heads * k), self.dtype)
+    if self.out_in:
+      heads, k = w.shape[:2]
+      y = dense(x2, w.reshape(heads * k, -1), self.dtype, out_in=True)
+    else:
+      heads, k = w.shape[1:]
+      y = dense(x2, w.reshape(-1, heads * k), self.dtype)
     if b is not None:
       y = y + b[...].reshape(heads * k).astype(y.dtype)
     return y.reshape(*shape, heads, k)
@@ -112,29 +145,31 @@ class Attention(nnx.Module):
       cache = cache.write(layer, k_, v)
       k_, v = cache.layer(layer)
     o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
-    return dense(o.reshape(b * l, h * k), self.wo[...].reshape(h * k, d), dt).reshape(b, l, d), cache
+    wo = self.wo[...].reshape((d, h * k) if self.out_in else (h * k, d))
+    return dense(o.reshape(b * l, h * k), wo, dt, self.out_in).reshape(b, l, d), cache
 
 
 class MLP(nnx.Module):
-  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs):
-    self.kind, self.dtype = kind, dtype
+  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs, out_in: bool = False):
+    self.kind, self.dtype, self.out_in = kind, dtype, out_in
     init = fan_in_init(embed_dim)
+    weight = functools.partial(matmul_weight, rngs, out_in=out_in)
     if kind == "swiglu":
-      self.w_gate = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
-    self.w_up = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
-    self.w_down = param(rngs, fan_in_init(mlp_dim), (mlp_dim, embed_dim), ("mlp", "embed"))
+      self.w_gate = weight("w_gate", init, (embed_dim, mlp_dim), ("embed", "mlp"))
+    self.w_up = weight("w_up", init, (embed_dim, mlp_dim), ("embed", "mlp"))
+    self.w_down = weight("w_down", fan_in_init(mlp_dim), (mlp_dim, embed_dim), ("mlp", "embed"))
 
   def __call__(self, x):
-    dt = self.dtype
+    dt, out_in = self.dtype, self.out_in
     b, l, d = x.shape
     x2 = x.reshape(b * l, d)
-    up = dense(x2, self.w_up[...], dt)
+    up = dense(x2, self.w_up[...], dt, out_in)
     if self.kind == "swiglu":
-      h = jax.nn.silu(dense(x2, self.w_gate[...], dt)) * up
+      h = jax.nn.silu(dense(x2, self.w_gate[...], dt, out_in)) * up
     else:
       h = jax.nn.gelu(up)
     h = constrain(h.reshape(b, l, -1), ("batch", "length", "act_mlp")).reshape(b * l, -1)
-    return dense(h, self.w_down[...], dt).reshape(b, l, d)
+    return dense(h, self.w_down[...], dt, out_in).reshape(b, l, d)
 
 
 class Modulation(nnx.Module):

@@ -16,7 +16,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.kv_cache import KVCache
-from mdlm_jax.layers import MLP, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
+from mdlm_jax.layers import (MLP, OUT_IN_PERMUTATIONS, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm,
+                             TimeEmbedding, fan_in_init, matmul_weight, param)
 from mdlm_jax.precision import compute_dtype
 from mdlm_jax.sharding import constrain
 
@@ -44,6 +45,13 @@ class ModelConfig:
   dtype: str = "float32"
   attention: str = "xla"
   remat: bool = False
+  # How matmul weights are stored: "in_out" (as trained and saved) or
+  # "out_in", which decodes faster on CPU (see `with_weight_layout`).
+  weight_layout: str = "in_out"
+
+  def __post_init__(self):
+    if self.weight_layout not in WEIGHT_LAYOUTS:
+      raise ValueError(f"unknown weight_layout {self.weight_layout!r}; choose from {WEIGHT_LAYOUTS}")
 
   @property
   def resolved_head_dim(self) -> int:
@@ -67,12 +75,13 @@ class ModelConfig:
 class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     dt = compute_dtype(cfg.dtype)
+    out_in = cfg.weight_layout == "out_in"
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, num_kv_heads=cfg.resolved_kv_heads,
                           qkv_bias=cfg.qkv_bias, rope_theta=cfg.rope_theta, attention_impl=cfg.attention, dtype=dt,
-                          rngs=rngs)
+                          rngs=rngs, out_in=out_in)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
-    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs)
+    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs, out_in=out_in)
     self.modulation = Modulation(cfg.cond_dim, cfg.embed_dim, 6, rngs=rngs) if cfg.time_conditioning else None
 
   def __call__(self, x, positions, cond, *, causal: bool, mask=None):
@@ -108,7 +117,8 @@ class Transformer(nnx.Module):
     self.final_modulation = (Modulation(cfg.cond_dim, cfg.embed_dim, 2, rngs=rngs)
                              if cfg.time_conditioning else None)
     self.head = (None if cfg.tie_embeddings else
-                 param(rngs, fan_in_init(cfg.embed_dim), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab")))
+                 matmul_weight(rngs, "head", fan_in_init(cfg.embed_dim), (cfg.embed_dim, cfg.vocab_size),
+                               ("embed", "vocab"), cfg.weight_layout == "out_in"))
 
   def hidden_states(self, tokens: Int[Array, "b l"], t: Float[Array, "b"] | None = None,
                     positions: Int[Array, "b l"] | None = None, mask=None):
@@ -186,14 +196,14 @@ class Transformer(nnx.Module):
       written = written.replace(last_hidden=_last_kept(x, keep, cache.last_hidden))
     return out, written.commit(cache.kept_valid(valid, keep), keep)
 
-  def output_embedding(self) -> Float[Array, "d v"]:
-    return self.embedding[...].T if self.head is None else self.head[...]
-
   def head_input(self, hidden: Float[Array, "b l d"]) -> HeadInput:
     """The vocabulary head's inputs: `logits` is `head_input(hidden).logits()`."""
-    if self.head is None:
-      hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
-    return HeadInput(hidden, self.output_embedding(), self.cfg.attention)
+    out_in = self.cfg.weight_layout == "out_in"
+    if self.head is not None:
+      return HeadInput(hidden, self.head[...], self.cfg.attention, out_in)
+    hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
+    emb = self.embedding[...]  # [v, d]: already out_in
+    return HeadInput(hidden, emb if out_in else emb.T, self.cfg.attention, out_in)
 
   def logits(self, hidden: Float[Array, "b l d"]) -> Float[Array, "b l v"]:
     return constrain(self.head_input(hidden).logits(), ("batch", "length", "act_vocab"))
@@ -213,6 +223,24 @@ def _last_kept(x: Float[Array, "b t d"], count, fallback: Float[Array, "b d"]) -
   count = jnp.broadcast_to(jnp.asarray(count, jnp.int32), x.shape[:1])
   last = jnp.take_along_axis(x, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
   return jnp.where((count > 0)[:, None], last, fallback.astype(x.dtype))
+
+
+def convert_weight_layout(params: dict, frm: str, to: str) -> dict:
+  """A params dict with its matmul weights moved from layout `frm` to `to`
+  (exact: only axes move)."""
+  for name in (frm, to):
+    if name not in WEIGHT_LAYOUTS:
+      raise ValueError(f"unknown weight layout {name!r}; choose from {WEIGHT_LAYOUTS}")
+  if frm == to:
+    return params
+
+  def move(path, x):
+    perm = OUT_IN_PERMUTATIONS.get(getattr(path[-1], "key", None))
+    if perm is None:
+      return x
+    return jnp.transpose(x, perm if to == "out_in" else tuple(sorted(range(len(perm)), key=perm.__getitem__)))
+
+  return jax.tree_util.tree_map_with_path(move, params)
 
 
 def count_params(model: nnx.Module) -> int:

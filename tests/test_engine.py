@@ -98,7 +98,7 @@ def test_passes_do_not_copy_the_cache(loaded):
   full = "|".join(",".join(str(d) for d in x.shape) for x in (e._state.cache.k, e._state.cache.v))
   # Passes over some slots, with and without finished blocks, and over all without.
   for rows, with_head in ((1, True), (4, True), (1, False), (8, False)):
-    hlo = e._step.lower(loaded.params, e._state, rows=rows, with_head=with_head).compile().as_text()
+    hlo = e._step.lower(e.loaded.params, e._state, rows=rows, with_head=with_head).compile().as_text()
     copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
     assert not copies, f"rows={rows}, with_head={with_head}: {len(copies)} copies of the whole cache"
 

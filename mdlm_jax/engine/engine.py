@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from mdlm_jax.builder import LoadedModel
+from mdlm_jax.builder import LoadedModel, for_decoding
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text, truncate_at_stop
 
@@ -154,6 +154,7 @@ class Engine:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
       raise ValueError(f"{num_slots} slots do not divide over the mesh's data x fsdp axes")
+    loaded = for_decoding(loaded)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = loaded, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)

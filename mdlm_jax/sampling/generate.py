@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdlm_jax import kernels, sharding
-from mdlm_jax.builder import LoadedModel, bind
+from mdlm_jax.builder import LoadedModel, bind, for_decoding
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
 from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout, block_causal_mask
@@ -67,6 +67,7 @@ class Generator:
   def __init__(self, loaded: LoadedModel, mesh=None):
     """`mesh`: run under this mesh (params as loaded onto it, the batch of
     rows sharded over 'data' x 'fsdp'); None: wherever the params live."""
+    loaded = for_decoding(loaded)
     self.loaded, self.mesh = loaded, mesh
     self.tok = loaded.tokenizer
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
@@ -235,6 +236,7 @@ class ARGenerator:
   def __init__(self, loaded: LoadedModel, mesh=None):
     if not loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is a diffusion model; use Generator")
+    loaded = for_decoding(loaded)
     self.loaded, self.mesh, self.tok = loaded, mesh, loaded.tokenizer
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:

@@ -51,8 +51,9 @@ def propose(key, logits, mask_id: int, temperature: float, columns=None):
     else:
       b, t, _ = head.hidden.shape
       cols = jnp.arange(t) if columns is None else columns
-      bits = column_words(key, b, head.w.shape[1], cols)[0] if temperature > 0 else None
-      x0, conf, _ = kernels.confidence_head(head.hidden, head.w, bits, kernels.HeadSettings(temperature, mask_id),
+      w = head.w_dv
+      bits = column_words(key, b, w.shape[1], cols)[0] if temperature > 0 else None
+      x0, conf, _ = kernels.confidence_head(head.hidden, w, bits, kernels.HeadSettings(temperature, mask_id),
                                             implementation=head.implementation)
       return x0, conf
   logits = _exclude_mask(logits, mask_id)
