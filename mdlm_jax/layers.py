@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
@@ -25,11 +24,9 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None
 
 
 WEIGHT_LAYOUTS = ("in_out", "out_in")
-
-# Each matmul weight's axes in the "out_in" layout, as a permutation of its
-# trained "in_out" axes: the input (contracted) axes move last.
-OUT_IN_PERMUTATIONS = {"wq": (1, 2, 0), "wk": (1, 2, 0), "wv": (1, 2, 0), "wo": (2, 0, 1),
-                       "w_gate": (1, 0), "w_up": (1, 0), "w_down": (1, 0), "head": (1, 0)}
+# Up to this many rows `dense` forms [out, tokens] from an [out, in] weight;
+# beyond, [tokens, out] (XLA:CPU, measured: there the first stops paying).
+FEW_ROWS = 32
 
 
 def dense(x2d, w2d, dtype, out_in: bool = False):
@@ -43,19 +40,18 @@ def dense(x2d, w2d, dtype, out_in: bool = False):
   the barrier keeps XLA from folding the transpose back into the product."""
   if not out_in:
     return x2d.astype(dtype) @ w2d.astype(dtype)
-  product = jnp.einsum("nk,mk->nm", w2d.astype(dtype), x2d.astype(dtype))
-  if x2d.shape[0] == 1:  # one row: [out, 1] and [1, out] are the same bytes
+  w2d, x2d = w2d.astype(dtype), x2d.astype(dtype)
+  rows = x2d.shape[0]
+  if rows > FEW_ROWS:
+    return x2d @ w2d.T
+  product = jnp.einsum("nk,mk->nm", w2d, x2d)
+  if rows == 1:  # [out, 1] and [1, out] are the same bytes
     return product.reshape(1, -1)
   return jax.lax.optimization_barrier(product).T
 
 
-def matmul_weight(rngs: nnx.Rngs, name: str, init, shape: Sequence[int], names: Sequence[str], out_in: bool):
-  """`param` for the matmul weight `name`, given by its in_out shape and axis
-  names and stored in the chosen layout (axes and names permuted alike)."""
-  if out_in:
-    perm = OUT_IN_PERMUTATIONS[name]
-    shape, names = [shape[i] for i in perm], [names[i] for i in perm]
-  return param(rngs, init, shape, names)
+def _add_bias(y, b):
+  return y if b is None else y + b[...].reshape(-1).astype(y.dtype)
 
 
 def fan_in_init(fan_in: int):
@@ -95,12 +91,16 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta, self.attention_impl, self.dtype, self.out_in = rope_theta, attention_impl, dtype, out_in
     init = fan_in_init(embed_dim)
-    weight = functools.partial(matmul_weight, rngs, out_in=out_in)
-    self.wq = weight("wq", init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
-    self.wk = weight("wk", init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
-    self.wv = weight("wv", init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
-    self.wo = weight("wo", fan_in_init(num_heads * head_dim), (num_heads, head_dim, embed_dim),
-                     ("heads", "kv", "embed"))
+    if out_in:  # the decoding layout: q, k and v heads in one [out, in] weight, one product
+      self.wqkv = param(rngs, init, (num_heads + 2 * num_kv_heads, head_dim, embed_dim), ("heads", "kv", "embed"))
+      self.wo = param(rngs, fan_in_init(num_heads * head_dim), (embed_dim, num_heads, head_dim),
+                      ("embed", "heads", "kv"))
+    else:
+      self.wq = param(rngs, init, (embed_dim, num_heads, head_dim), ("embed", "heads", "kv"))
+      self.wk = param(rngs, init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
+      self.wv = param(rngs, init, (embed_dim, num_kv_heads, head_dim), ("embed", "kv_heads", "kv"))
+      self.wo = param(rngs, fan_in_init(num_heads * head_dim), (num_heads, head_dim, embed_dim),
+                      ("heads", "kv", "embed"))
     if qkv_bias:
       zeros = nnx.initializers.zeros
       self.bq = param(rngs, zeros, (num_heads, head_dim), ("heads", "kv"))
@@ -115,15 +115,20 @@ class Attention(nnx.Module):
   def _project(self, x2, w, b, shape):
     """[tokens, d] @ [d, heads, k] (+ bias), reshaped to [b, l, heads, k]."""
     w = w[...]
-    if self.out_in:
-      heads, k = w.shape[:2]
-      y = dense(x2, w.reshape(heads * k, -1), self.dtype, out_in=True)
-    else:
-      heads, k = w.shape[1:]
-      y = dense(x2, w.reshape(-1, heads * k), self.dtype)
-    if b is not None:
-      y = y + b[...].reshape(heads * k).astype(y.dtype)
-    return y.reshape(*shape, heads, k)
+    heads, k = w.shape[1:]
+    y = dense(x2, w.reshape(-1, heads * k), self.dtype)
+    return _add_bias(y, b).reshape(*shape, heads, k)
+
+  def _project_qkv(self, x2, shape):
+    """q, k and v, each [b, l, heads, k]."""
+    if not self.out_in:
+      return (self._project(x2, self.wq, self.bq, shape), self._project(x2, self.wk, self.bk, shape),
+              self._project(x2, self.wv, self.bv, shape))
+    h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
+    y = dense(x2, self.wqkv[...].reshape((h + 2 * g) * k, -1), self.dtype, out_in=True)
+    parts = jnp.split(y, [h * k, (h + g) * k], axis=-1)
+    return tuple(_add_bias(p, bias).reshape(*shape, n, k) for p, bias, n in zip(parts, (self.bq, self.bk, self.bv),
+                                                                                   (h, g, g)))
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
               mask: Bool[Array, "b #h l s"] | kernels.AttentionMask | None = None, cache: KVCache | None = None,
@@ -135,9 +140,7 @@ class Attention(nnx.Module):
     b, l, d = x.shape
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
-    q = self._project(x2, self.wq, self.bq, (b, l))
-    k_ = self._project(x2, self.wk, self.bk, (b, l))
-    v = self._project(x2, self.wv, self.bv, (b, l))
+    q, k_, v = self._project_qkv(x2, (b, l))
     q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "act_heads", None))
     k_ = constrain(rope(k_, positions, self.rope_theta), ("batch", "length", "act_kv_heads", None))
     v = constrain(v, ("batch", "length", "act_kv_heads", None))
@@ -153,21 +156,30 @@ class MLP(nnx.Module):
   def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs, out_in: bool = False):
     self.kind, self.dtype, self.out_in = kind, dtype, out_in
     init = fan_in_init(embed_dim)
-    weight = functools.partial(matmul_weight, rngs, out_in=out_in)
-    if kind == "swiglu":
-      self.w_gate = weight("w_gate", init, (embed_dim, mlp_dim), ("embed", "mlp"))
-    self.w_up = weight("w_up", init, (embed_dim, mlp_dim), ("embed", "mlp"))
-    self.w_down = weight("w_down", fan_in_init(mlp_dim), (mlp_dim, embed_dim), ("mlp", "embed"))
+    if out_in:  # the decoding layout: gate and up in one [out, in] weight, one product
+      self.w_in = param(rngs, init, (2 if kind == "swiglu" else 1, mlp_dim, embed_dim), (None, "mlp", "embed"))
+      self.w_down = param(rngs, fan_in_init(mlp_dim), (embed_dim, mlp_dim), ("embed", "mlp"))
+    else:
+      if kind == "swiglu":
+        self.w_gate = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
+      self.w_up = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
+      self.w_down = param(rngs, fan_in_init(mlp_dim), (mlp_dim, embed_dim), ("mlp", "embed"))
 
   def __call__(self, x):
     dt, out_in = self.dtype, self.out_in
     b, l, d = x.shape
     x2 = x.reshape(b * l, d)
-    up = dense(x2, self.w_up[...], dt, out_in)
-    if self.kind == "swiglu":
-      h = jax.nn.silu(dense(x2, self.w_gate[...], dt, out_in)) * up
+    if out_in:
+      w_in = self.w_in[...]
+      parts = jnp.split(dense(x2, w_in.reshape(-1, d), dt, out_in=True), w_in.shape[0], axis=-1)
     else:
-      h = jax.nn.gelu(up)
+      parts = [dense(x2, self.w_gate[...], dt)] if self.kind == "swiglu" else []
+      parts.append(dense(x2, self.w_up[...], dt))
+    if self.kind == "swiglu":
+      gate, up = parts
+      h = jax.nn.silu(gate) * up
+    else:
+      h = jax.nn.gelu(parts[0])
     h = constrain(h.reshape(b, l, -1), ("batch", "length", "act_mlp")).reshape(b * l, -1)
     return dense(h, self.w_down[...], dt, out_in).reshape(b, l, d)
 

@@ -16,8 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.kv_cache import KVCache
-from mdlm_jax.layers import (MLP, OUT_IN_PERMUTATIONS, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm,
-                             TimeEmbedding, fan_in_init, matmul_weight, param)
+from mdlm_jax.layers import MLP, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
 from mdlm_jax.precision import compute_dtype
 from mdlm_jax.sharding import constrain
 
@@ -116,9 +115,9 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.final_modulation = (Modulation(cfg.cond_dim, cfg.embed_dim, 2, rngs=rngs)
                              if cfg.time_conditioning else None)
-    self.head = (None if cfg.tie_embeddings else
-                 matmul_weight(rngs, "head", fan_in_init(cfg.embed_dim), (cfg.embed_dim, cfg.vocab_size),
-                               ("embed", "vocab"), cfg.weight_layout == "out_in"))
+    head_axes = ((cfg.vocab_size, cfg.embed_dim), ("vocab", "embed")) if cfg.weight_layout == "out_in" else \
+        ((cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"))
+    self.head = None if cfg.tie_embeddings else param(rngs, fan_in_init(cfg.embed_dim), *head_axes)
 
   def hidden_states(self, tokens: Int[Array, "b l"], t: Float[Array, "b"] | None = None,
                     positions: Int[Array, "b l"] | None = None, mask=None):
@@ -225,22 +224,35 @@ def _last_kept(x: Float[Array, "b t d"], count, fallback: Float[Array, "b d"]) -
   return jnp.where((count > 0)[:, None], last, fallback.astype(x.dtype))
 
 
-def convert_weight_layout(params: dict, frm: str, to: str) -> dict:
-  """A params dict with its matmul weights moved from layout `frm` to `to`
-  (exact: only axes move)."""
-  for name in (frm, to):
-    if name not in WEIGHT_LAYOUTS:
-      raise ValueError(f"unknown weight layout {name!r}; choose from {WEIGHT_LAYOUTS}")
-  if frm == to:
+def convert_weight_layout(params: dict, cfg: ModelConfig, to: str) -> dict:
+  """`params` (of a model with config `cfg`) with the matmul weights in layout
+  `to`. "out_in" stores each weight [out, in] and joins the weights that read
+  the same input (q/k/v; gate/up), so decoding runs one product for each
+  group; exact both ways (only axes move)."""
+  if to not in WEIGHT_LAYOUTS:
+    raise ValueError(f"unknown weight layout {to!r}; choose from {WEIGHT_LAYOUTS}")
+  if cfg.weight_layout == to:
     return params
-
-  def move(path, x):
-    perm = OUT_IN_PERMUTATIONS.get(getattr(path[-1], "key", None))
-    if perm is None:
-      return x
-    return jnp.transpose(x, perm if to == "out_in" else tuple(sorted(range(len(perm)), key=perm.__getitem__)))
-
-  return jax.tree_util.tree_map_with_path(move, params)
+  h, g = cfg.num_heads, cfg.resolved_kv_heads
+  out = dict(params, blocks={})
+  for i, block in params["blocks"].items():
+    attn, mlp = dict(block["attn"]), dict(block["mlp"])
+    if to == "out_in":
+      attn["wqkv"] = jnp.concatenate([jnp.transpose(attn.pop(n), (1, 2, 0)) for n in ("wq", "wk", "wv")], axis=0)
+      attn["wo"] = jnp.transpose(attn["wo"], (2, 0, 1))
+      mlp["w_in"] = jnp.stack([mlp.pop(n).T for n in ("w_gate", "w_up") if n in mlp])
+      mlp["w_down"] = mlp["w_down"].T
+    else:
+      wq, wk, wv = jnp.split(attn.pop("wqkv"), [h, h + g], axis=0)
+      attn.update(wq=jnp.transpose(wq, (2, 0, 1)), wk=jnp.transpose(wk, (2, 0, 1)), wv=jnp.transpose(wv, (2, 0, 1)),
+                  wo=jnp.transpose(attn["wo"], (1, 2, 0)))
+      w_in = mlp.pop("w_in")
+      mlp.update(dict(zip(("w_gate", "w_up") if len(w_in) == 2 else ("w_up",), (w.T for w in w_in))),
+                 w_down=mlp["w_down"].T)
+    out["blocks"][i] = dict(block, attn=attn, mlp=mlp)
+  if "head" in params:
+    out["head"] = params["head"].T
+  return out
 
 
 def count_params(model: nnx.Module) -> int:

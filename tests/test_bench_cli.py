@@ -37,7 +37,12 @@ def test_bench_sample(tiny_checkpoints, tmp_path):
                "--prompt-tokens=16", tmp_path=tmp_path)
   rows = out["batches"]["1"]
   assert out["repeats"] == 2
-  assert set(rows) == {"medium", "ar"} and rows["ar"]["tokens_per_forward"] <= 1.0
+  assert set(rows) == {"medium", "ar", "ar_in_out", "ar_out_in"} and rows["ar"]["tokens_per_forward"] <= 1.0
+  # The baseline is the AR twin's faster layout, and both layouts write the same text.
+  layout = rows["ar"]["weight_layout"]
+  assert rows["ar"]["tokens_per_s"] == max(rows["ar_in_out"]["tokens_per_s"], rows["ar_out_in"]["tokens_per_s"])
+  assert rows["ar"]["tokens_per_s"] == rows[f"ar_{layout}"]["tokens_per_s"]
+  assert rows["ar_in_out"]["gen_ppl"] == pytest.approx(rows["ar_out_in"]["gen_ppl"], rel=1e-4)
 
 
 def test_bench_kernels_on_cpu_checks_numerics():

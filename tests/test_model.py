@@ -168,38 +168,42 @@ def test_forward_matches_numpy(kw):
     (dict(mlp="swiglu", causal=False, tie_embeddings=True), (B, L)),
     (dict(mlp="gelu", causal=True, tie_embeddings=False, num_kv_heads=2, qkv_bias=True), (B, L)),
     (dict(mlp="swiglu", causal=True, tie_embeddings=False), (1, 1)),
-], ids=["tied_bidirectional", "untied_causal_gqa_bias", "one_row"])
+    (dict(mlp="swiglu", causal=False, tie_embeddings=False), (5, 8)),
+], ids=["tied_bidirectional", "untied_causal_gqa_bias", "one_row", "many_rows"])
 def test_out_in_weight_layout_matches_numpy(kw, rows):
-  """The decoding layout: the same trained weights with their axes moved give
-  the trained layout's logits, and the float64 reference's where it applies
-  (no GQA or biases); the one-row case takes its own path."""
+  """The decoding layout: the same trained weights, moved and joined, give the
+  trained layout's logits, and the float64 reference's where it applies (no
+  GQA or biases); one row and more than FEW_ROWS rows take their own paths."""
   from mdlm_jax.model import convert_weight_layout
   model = make(2, **kw)
   P = params_np(model)
-  moved = convert_weight_layout(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "in_out", "out_in")
+  trained = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  moved = convert_weight_layout(trained, model.cfg, "out_in")
   out_in = make(0, **kw, weight_layout="out_in")
-  assert out_in.blocks[0].attn.wq[...].shape == moved["blocks"][0]["attn"]["wq"].shape != P["blocks"][0]["attn"]["wq"].shape
+  assert jax.tree.map(np.shape, nnx.to_pure_dict(nnx.state(out_in, nnx.Param))) == jax.tree.map(np.shape, moved)
   set_params(out_in, moved)
   tokens = random_tokens(6, *rows)
   got = np.asarray(forward_fn(out_in)(tokens), np.float64)
-  trained = np.asarray(forward_fn(model)(tokens), np.float64)
-  np.testing.assert_allclose(got, trained, rtol=1e-5, atol=1e-5 * np.abs(trained).max())
-  if not model.cfg.qkv_bias:
+  want = np.asarray(forward_fn(model)(tokens), np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  if not model.cfg.qkv_bias and model.cfg.resolved_kv_heads == model.cfg.num_heads:
     ref = np_forward(P, tokens, model.cfg)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-  back = convert_weight_layout(moved, "out_in", "in_out")
+  back = convert_weight_layout(moved, out_in.cfg, "in_out")
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float64), b), back, P)
 
 
-def test_out_in_layout_keeps_logical_axes_with_their_dims():
-  """Sharding rules follow the moved axes: each dim keeps its logical name."""
-  a, b = make(0, tie_embeddings=False), make(0, tie_embeddings=False, weight_layout="out_in")
-  for mod_a, mod_b, name in [(a.blocks[0].attn, b.blocks[0].attn, "wq"), (a.blocks[0].attn, b.blocks[0].attn, "wo"),
-                             (a.blocks[0].mlp, b.blocks[0].mlp, "w_down"), (a, b, "head")]:
-    va, vb = getattr(mod_a, name), getattr(mod_b, name)
-    perm = layers.OUT_IN_PERMUTATIONS[name]
-    assert vb[...].shape == tuple(va[...].shape[i] for i in perm)
-    assert vb.get_metadata()["logical_axes"] == tuple(va.get_metadata()["logical_axes"][i] for i in perm)
+def test_out_in_layout_joins_weights_and_keeps_logical_axes():
+  """Each dim keeps its logical name, so the sharding rules still apply."""
+  m = make(0, tie_embeddings=False, num_kv_heads=2, weight_layout="out_in")
+  h, g, k, d = BASE["num_heads"], 2, BASE["embed_dim"] // BASE["num_heads"], BASE["embed_dim"]
+  expect = {"wqkv": ((h + 2 * g, k, d), ("heads", "kv", "embed")), "wo": ((d, h, k), ("embed", "heads", "kv")),
+            "w_in": ((2, BASE["mlp_dim"], d), (None, "mlp", "embed")), "w_down": ((d, BASE["mlp_dim"]), ("embed", "mlp")),
+            "head": ((BASE["vocab_size"], d), ("vocab", "embed"))}
+  for name, (shape, names) in expect.items():
+    var = getattr(m.blocks[0].attn if name.startswith("wq") or name == "wo" else
+                  m.blocks[0].mlp if name.startswith("w_") else m, name)
+    assert var[...].shape == shape and var.get_metadata()["logical_axes"] == names, name
   with pytest.raises(ValueError, match="weight_layout"):
     ModelConfig(**BASE, weight_layout="col_major")
 

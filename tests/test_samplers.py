@@ -185,9 +185,9 @@ def test_same_tokens_on_a_4_device_mesh(tiny_config, tmp_path):
   one = Generator(builder.load(str(tmp_path)))
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 1, "tensor": 2}))
   four = Generator(builder.load(str(tmp_path), mesh=mesh), mesh=mesh)
-  wq = four.loaded.params["blocks"][0]["attn"]["wq"]  # decoded from [heads, kv, embed] on CPU
+  wqkv = four.loaded.params["blocks"][0]["attn"]["wqkv"]  # decoded from [q/k/v heads, kv, embed] on CPU
   assert four.loaded.spec.cfg.weight_layout == "out_in"
-  assert wq.sharding.spec == jax.sharding.PartitionSpec("tensor", None, "fsdp")
+  assert wqkv.sharding.spec == jax.sharding.PartitionSpec("tensor", None, "fsdp")
   prompts = ["def f(x):\n", "class A:\n", "import re\n", "x = 1\n"]
   for sampler in (AncestralSampler(steps=8), ThresholdSampler(threshold=0.3, block_size=8, temperature=1.0)):
     a = one.generate(prompts, max_new_tokens=16, sampler=sampler, seed=4)

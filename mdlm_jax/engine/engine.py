@@ -143,10 +143,13 @@ class Engine:
   """Serves a block-diffusion (or MDLM) checkpoint from `num_slots` slots.
 
   `mesh`: run under this mesh, parameters as loaded onto it and slots sharded
-  over 'data' x 'fsdp' (num_slots must divide); None: one device."""
+  over 'data' x 'fsdp' (num_slots must divide); None: one device.
+  `weight_layout`: serve from a copy of the weights in this layout (default:
+  the fastest for the platform, see `builder.for_decoding`)."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
-               max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None):
+               max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
+               weight_layout: str | None = None):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or loaded.config.diffusion.get("block_size", 0) or 8
@@ -154,7 +157,7 @@ class Engine:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
       raise ValueError(f"{num_slots} slots do not divide over the mesh's data x fsdp axes")
-    loaded = for_decoding(loaded)
+    loaded = for_decoding(loaded, weight_layout)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = loaded, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)

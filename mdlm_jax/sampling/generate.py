@@ -64,10 +64,12 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 class Generator:
   """Samples from a loaded MDLM checkpoint (any diffusion sampler)."""
 
-  def __init__(self, loaded: LoadedModel, mesh=None):
+  def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None):
     """`mesh`: run under this mesh (params as loaded onto it, the batch of
-    rows sharded over 'data' x 'fsdp'); None: wherever the params live."""
-    loaded = for_decoding(loaded)
+    rows sharded over 'data' x 'fsdp'); None: wherever the params live.
+    `weight_layout`: decode from a copy of the weights in this layout
+    (default: the fastest for the platform, see `builder.for_decoding`)."""
+    loaded = for_decoding(loaded, weight_layout)
     self.loaded, self.mesh = loaded, mesh
     self.tok = loaded.tokenizer
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
@@ -233,10 +235,10 @@ class Generator:
 class ARGenerator:
   """The AR twin behind the same text-in/text-out interface (KV-cached decoding)."""
 
-  def __init__(self, loaded: LoadedModel, mesh=None):
+  def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None):
     if not loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is a diffusion model; use Generator")
-    loaded = for_decoding(loaded)
+    loaded = for_decoding(loaded, weight_layout)
     self.loaded, self.mesh, self.tok = loaded, mesh, loaded.tokenizer
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
