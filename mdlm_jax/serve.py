@@ -1,4 +1,5 @@
 """python -m mdlm_jax.serve [--checkpoint=DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--slots N]
+    [--weight-layout in_out|out_in]
 
 Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
 API: /v1/models, /v1/chat/completions, /v1/completions, /v1/fim/completions,
@@ -20,6 +21,7 @@ import threading
 
 
 def parse(argv):
+  from mdlm_jax.layers import WEIGHT_LAYOUTS
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.serve", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir, checkpoint or params-only folder (default: packaged)")
   p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -31,6 +33,9 @@ def parse(argv):
   p.add_argument("--model-id", default=None, help="the model name clients send (default: the folder name)")
   p.add_argument("--max-prompt-tokens", type=int, default=512)
   p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may generate")
+  p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
+                 help="serve from the weights in this layout only (default on CPU: out_in for passes over a few"
+                      " slots, in_out for larger ones and prefills, each the faster there; as loaded elsewhere)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
@@ -77,7 +82,7 @@ def build(a):
   bs = loaded.config.diffusion.get("block_size", 0) or 8
   max_tokens = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
-                  max_queue=a.max_queue, mesh=mesh)
+                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))

@@ -23,8 +23,10 @@ def _bench(*args, tmp_path):
 
 def test_bench_serve(tiny_checkpoints, tmp_path):
   out = _bench("serve", f"--checkpoint={tiny_checkpoints['mdlm']}", "--concurrency=1,4", "--requests-per-client=2",
-               "--max-tokens=16", "--prompt-tokens=16", "--slots=4", "--overhead-pairs=2", tmp_path=tmp_path)
+               "--max-tokens=16", "--prompt-tokens=16", "--slots=4", "--overhead-pairs=2", "--weight-layout=in_out",
+               tmp_path=tmp_path)
   assert set(out["levels"]) == {"1", "4"} and out["levels"]["4"]["requests"] == 8
+  assert out["weight_layouts"] == ["in_out"]
   assert out["throughput_gain"] > 0 and out["http_overhead_c1"] > -1
   assert out["engine_in_process_c1"]["requests"] == out["http_paired_c1"]["requests"] == 2
   for level in out["levels"].values():

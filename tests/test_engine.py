@@ -8,6 +8,7 @@ import pytest
 
 from mdlm_jax import builder, sharding
 from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request
+from mdlm_jax.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import Generator
 from mdlm_jax.sampling.samplers import ThresholdSampler
 
@@ -90,6 +91,16 @@ def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
   assert not e._pass_with_head(busy)
 
 
+def test_passes_pick_the_weight_layout_by_size(loaded):
+  """On CPU few token rows read the [out, in] copy, more the trained layout;
+  one layout when asked for."""
+  e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
+  assert e._programs_for(FEW_ROWS)[0].spec.cfg.weight_layout == "out_in"
+  assert e._programs_for(FEW_ROWS + 1)[0].spec.cfg.weight_layout == "in_out"
+  one = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8, weight_layout="in_out")
+  assert one._programs_for(8) is one._programs_for(128) and one.loaded.spec.cfg.weight_layout == "in_out"
+
+
 def test_passes_do_not_copy_the_cache(loaded):
   """A pass (over the first slots, or all) must update the slot state in
   place: a copy of the whole per-row cache costs more than the pass itself."""
@@ -98,7 +109,8 @@ def test_passes_do_not_copy_the_cache(loaded):
   full = "|".join(",".join(str(d) for d in x.shape) for x in (e._state.cache.k, e._state.cache.v))
   # Passes over some slots, with and without finished blocks, and over all without.
   for rows, with_head in ((1, True), (4, True), (1, False), (8, False)):
-    hlo = e._step.lower(e.loaded.params, e._state, rows=rows, with_head=with_head).compile().as_text()
+    model, _, step = e._programs_for(rows * 8 * (2 if with_head else 1))
+    hlo = step.lower(model.params, e._state, rows=rows, with_head=with_head).compile().as_text()
     copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
     assert not copies, f"rows={rows}, with_head={with_head}: {len(copies)} copies of the whole cache"
 
@@ -185,12 +197,17 @@ def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
 @pytest.mark.slow
 def test_warmup_compiles_then_serves_the_same(loaded, engine):
   e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).warmup()
-  sizes = e._step._cache_size(), e._admit._cache_size()
+
+  def compiled():  # (passes, prefills) over the programs of both weight layouts
+    programs = {id(p): p for p in (e._few, e._many)}.values()
+    return sum(p[2]._cache_size() for p in programs), sum(p[1]._cache_size() for p in programs)
+
+  sizes = compiled()
   e.start()
   try:
     req = _request(loaded, PROMPTS[1], max_tokens=16)
     assert e.submit(req).result(timeout=120).text == engine.submit(req).result(timeout=120).text
-    assert (e._step._cache_size(), e._admit._cache_size()) == sizes == (6, 2)  # rows 1, 2, 4 x head or not; prompts 16, 32
+    assert compiled() == sizes == (6, 2)  # rows 1, 2, 4 x head or not; prompts 16, 32
   finally:
     e.close(deadline_s=1)
   with pytest.raises(RuntimeError, match="before start"):

@@ -224,6 +224,17 @@ def test_two_process_server_matches_one_device_and_stops_on_sigterm(tiny_checkpo
   assert "[p1] process 1: following process 0" in out and "[p1] process 1: shut down" in out
 
 
+def test_weight_layout_flag_reaches_the_engine(tiny_checkpoints):
+  from mdlm_jax import serve
+  for flag, layout in ((None, "out_in"), ("in_out", "in_out")):  # out_in: the CPU default
+    a = serve.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", "--slots=2", "--max-tokens=16"] +
+                    ([f"--weight-layout={flag}"] if flag else []))
+    engine, _ = serve.build(a)
+    assert engine.loaded.spec.cfg.weight_layout == layout
+  with pytest.raises(SystemExit):
+    serve.parse(["--weight-layout=rows"])
+
+
 def test_turns_survive_the_broadcast_encoding():
   """What process 0 sends its followers each turn decodes to the same device work."""
   import numpy as np

@@ -26,6 +26,7 @@ import time
 
 from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
+from mdlm_jax.layers import WEIGHT_LAYOUTS
 
 
 def parse(argv):
@@ -39,6 +40,8 @@ def parse(argv):
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--effort", default="medium", choices=EFFORTS)
+  p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
+                 help="one weight layout for the engine (default: as the server picks them)")
   add_output_flags(p, "bench_serve.png", "latency/throughput plot")
   a = p.parse_args(argv)
   a.concurrency = positive_ints(p, "--concurrency", a.concurrency)
@@ -83,7 +86,8 @@ def main(argv):
   bs = loaded.config.diffusion.get("block_size", 0) or 8
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
-                  max_queue=4 * max(a.concurrency) * a.requests_per_client).warmup().start()
+                  max_queue=4 * max(a.concurrency) * a.requests_per_client,
+                  weight_layout=a.weight_layout).warmup().start()
   app = create_app(engine, model_id="bench",
                    limits=Limits(max_tokens=max_new, max_prompt_tokens=2 * a.prompt_tokens + 16))
   port = _free_port()
@@ -117,7 +121,7 @@ def main(argv):
     engine_call(i)
     http_call(i)
   result = {"bench": "serve", "checkpoint": path, "slots": a.slots, "max_tokens": a.max_tokens,
-            "effort": a.effort, "levels": {}}
+            "effort": a.effort, "weight_layouts": sorted({engine._few[0].spec.cfg.weight_layout, engine._many[0].spec.cfg.weight_layout}), "levels": {}}
   pairs = [(engine_call(i), http_call(i)) for i in range(a.overhead_pairs)]
   direct, served = [p[0] for p in pairs], [p[1] for p in pairs]
   result["engine_in_process_c1"] = _summary([r[0] for r in direct], sum(r[1] for r in direct),

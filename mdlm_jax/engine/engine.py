@@ -27,8 +27,9 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from mdlm_jax.builder import LoadedModel, for_decoding
+from mdlm_jax.builder import LoadedModel, for_decoding, with_weight_layout
 from mdlm_jax.engine import slots as slots_lib
+from mdlm_jax.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text, truncate_at_stop
 
 
@@ -144,8 +145,10 @@ class Engine:
 
   `mesh`: run under this mesh, parameters as loaded onto it and slots sharded
   over 'data' x 'fsdp' (num_slots must divide); None: one device.
-  `weight_layout`: serve from a copy of the weights in this layout (default:
-  the fastest for the platform, see `builder.for_decoding`)."""
+  `weight_layout`: serve from a copy of the weights in this layout. By
+  default, on CPU, passes over a few slots read an [out, in] copy and larger
+  passes and prefills the trained layout, each the faster there (the engine
+  then holds the weights twice); elsewhere the weights as loaded."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
@@ -157,12 +160,15 @@ class Engine:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
       raise ValueError(f"{num_slots} slots do not divide over the mesh's data x fsdp axes")
-    loaded = for_decoding(loaded, weight_layout)
+    few, many = _pass_models(loaded, weight_layout)
     tok = loaded.tokenizer
-    self.loaded, self.tok, self.mesh = loaded, tok, mesh
+    self.loaded, self.tok, self.mesh = few, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)
     self.max_queue = max_queue
-    self._admit, self._step = slots_lib.compile_programs(loaded.spec, self.sc)
+    # (model, admit, step) for passes over at most FEW_ROWS token rows and for larger ones.
+    few_programs = slots_lib.compile_programs(few.spec, self.sc)
+    self._few = (few, *few_programs)
+    self._many = self._few if many is few else (many, *slots_lib.compile_programs(many.spec, self.sc))
     self._min_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
     state = slots_lib.init_slots(loaded.spec, self.sc)  # on this process's default device
     with self._mesh_context():
@@ -214,14 +220,14 @@ class Engine:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
       for bucket in sorted({_bucket(n, self.sc.max_prompt) for n in range(1, self.sc.max_prompt + 1)}):
-        self._state = self._admit(self.loaded.params, self._state, np.int32(0),
-                                  np.full((bucket,), self.tok.pad_id, np.int32), np.int32(1), np.int32(1),
-                                  np.float32(1.0), np.int32(1), np.float32(0.0), np.float32(1.0),
-                                  np.zeros((2,), np.uint32))
+        model, admit, _ = self._programs_for(bucket)
+        self._state = admit(model.params, self._state, np.int32(0), np.full((bucket,), self.tok.pad_id, np.int32),
+                            np.int32(1), np.int32(1), np.float32(1.0), np.int32(1), np.float32(0.0),
+                            np.float32(1.0), np.zeros((2,), np.uint32))
       self._deactivate([0])
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
-          self._state = self._step(self.loaded.params, self._state, rows=rows, with_head=with_head)
+          self._run_pass(rows, with_head)
       jax.block_until_ready(self._state)
     return self
 
@@ -374,11 +380,22 @@ class Engine:
       prompt = np.full((bucket,), self.tok.pad_id, np.int32)
       prompt[:len(r.prompt_ids)] = r.prompt_ids
       n_blocks = -(-r.max_tokens // self.sc.block_size)
-      self._state = self._admit(self.loaded.params, self._state, np.int32(row), prompt,
-                                np.int32(len(r.prompt_ids)), np.int32(n_blocks), np.float32(r.threshold),
-                                np.int32(r.min_tokens), np.float32(r.temperature), np.float32(r.top_p), key)
+      model, admit, _ = self._programs_for(bucket)
+      self._state = admit(model.params, self._state, np.int32(row), prompt, np.int32(len(r.prompt_ids)),
+                          np.int32(n_blocks), np.float32(r.threshold), np.int32(r.min_tokens),
+                          np.float32(r.temperature), np.float32(r.top_p), key)
     if turn.rows:
-      self._state = self._step(self.loaded.params, self._state, rows=turn.rows, with_head=turn.with_head)
+      self._run_pass(turn.rows, turn.with_head)
+
+  def _programs_for(self, token_rows: int):
+    """(model, admit, step) for a pass or prefill over this many token rows."""
+    return self._few if token_rows <= FEW_ROWS else self._many
+
+  def _run_pass(self, rows: int, with_head: bool) -> None:
+    """One refinement pass over slots [0, rows): each carries its block, and
+    with `with_head` the finished block before it too."""
+    model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
+    self._state = step(model.params, self._state, rows=rows, with_head=with_head)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
@@ -458,6 +475,15 @@ class Engine:
         reason = "stop" if (stopped or hit_eos) else "length"
         self._release(row, Event("done", h.emitted, reason, completion_tokens=len(committed),
                                  passes=int(passes[row])))
+
+
+def _pass_models(loaded: LoadedModel, weight_layout: str | None) -> tuple[LoadedModel, LoadedModel]:
+  """The model for passes over few token rows and the one for more: in one
+  layout when asked, else (on CPU) the [out, in] copy and the trained layout."""
+  few = for_decoding(loaded, weight_layout)
+  if weight_layout is not None or few is loaded:
+    return few, few
+  return few, with_weight_layout(loaded, "in_out")
 
 
 def _bucket(n: int, cap: int) -> int:

@@ -1,0 +1,46 @@
+"""The decoding weight layout as the generators use it: chosen per platform,
+a copy (the loaded model is untouched), exact both ways, same samples."""
+
+import jax
+import numpy as np
+import pytest
+
+from mdlm_jax import builder, packaged
+from mdlm_jax.sampling.generate import ARGenerator, Generator
+from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
+
+
+@pytest.fixture(scope="module")
+def diffusion():
+  return builder.load(packaged.path(packaged.DIFFUSION))
+
+
+def _host(params):
+  return jax.tree.map(np.asarray, params)
+
+
+def test_for_decoding_copies_into_the_cpu_layout_and_back_exactly(diffusion):
+  before = _host(diffusion.params)
+  moved = builder.for_decoding(diffusion)
+  assert moved.spec.cfg.weight_layout == "out_in" and diffusion.spec.cfg.weight_layout == "in_out"
+  assert "wqkv" in moved.params["blocks"][0]["attn"] and "wq" in diffusion.params["blocks"][0]["attn"]
+  jax.tree.map(np.testing.assert_array_equal, _host(diffusion.params), before)  # the input is untouched
+  back = builder.with_weight_layout(moved, "in_out")
+  jax.tree.map(np.testing.assert_array_equal, _host(back.params), before)
+  assert builder.for_decoding(diffusion, "in_out") is diffusion  # already there: no copy
+
+
+def test_both_layouts_write_the_same_tokens(diffusion):
+  sampler = adapt_to_model(sampler_for("medium"), diffusion.config.diffusion.block_size)
+  prompts = ["def read_config(path):\n", "import os\n\nclass Cache:\n"]
+  runs = [Generator(diffusion, weight_layout=layout).generate(prompts, max_new_tokens=32, sampler=sampler)
+          for layout in ("in_out", "out_in")]
+  assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
+  ar = builder.load(packaged.path(packaged.AR))
+  runs = [ARGenerator(ar, weight_layout=layout).generate(prompts, max_new_tokens=32) for layout in ("in_out", "out_in")]
+  assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
+
+
+def test_unknown_layout_is_refused(diffusion):
+  with pytest.raises(ValueError, match="weight_layout 'rows'"):
+    Generator(diffusion, weight_layout="rows")
