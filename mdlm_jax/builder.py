@@ -71,6 +71,16 @@ def for_decoding(loaded: "LoadedModel", layout: str | None = None) -> "LoadedMod
   return with_weight_layout(loaded, layout)
 
 
+def decoding_pair(loaded: "LoadedModel", layout: str | None = None) -> tuple["LoadedModel", "LoadedModel"]:
+  """(model for passes over few token rows, model for more): both in `layout`
+  when given; else, on CPU, the [out, in] copy and the trained layout (past
+  layers.FEW_ROWS rows the trained layout is the faster); elsewhere as loaded."""
+  few = for_decoding(loaded, layout)
+  if layout is not None or few is loaded:
+    return few, few
+  return few, with_weight_layout(loaded, "in_out")
+
+
 def bind(spec: ModelSpec, params) -> Transformer:
   return nnx.merge(spec.graphdef, params)
 

@@ -41,6 +41,21 @@ def test_both_layouts_write_the_same_tokens(diffusion):
   assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
 
 
+def test_generator_picks_the_layout_by_rows_per_pass(diffusion):
+  """Default on CPU: the [out, in] copy for few rows per pass, the trained
+  layout past FEW_ROWS; the tokens are the same either way."""
+  g = Generator(diffusion)
+  assert (g._few.spec.cfg.weight_layout, g._many.spec.cfg.weight_layout) == ("out_in", "in_out")
+  sampler = adapt_to_model(sampler_for("medium"), diffusion.config.diffusion.block_size)
+  prompts = ["def f(x):\n", "import re\n", "class A:\n", "x = [\n", "# utils\n"]  # 5 x 16 rows > FEW_ROWS
+  got = g.generate(prompts, max_new_tokens=16, sampler=sampler)
+  assert g._run._cache_size() == 1
+  want = Generator(diffusion, weight_layout="out_in").generate(prompts, max_new_tokens=16, sampler=sampler)
+  assert [c.tokens for c in got.completions] == [c.tokens for c in want.completions]
+  g.generate(prompts[:1], max_new_tokens=16, sampler=sampler)  # 16 rows: the other layout, a second program
+  assert g._run._cache_size() == 2
+
+
 def test_unknown_layout_is_refused(diffusion):
   with pytest.raises(ValueError, match="weight_layout 'rows'"):
     Generator(diffusion, weight_layout="rows")

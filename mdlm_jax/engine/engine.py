@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from mdlm_jax.builder import LoadedModel, for_decoding, with_weight_layout
+from mdlm_jax.builder import LoadedModel, decoding_pair
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text, truncate_at_stop
@@ -160,7 +160,7 @@ class Engine:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
       raise ValueError(f"{num_slots} slots do not divide over the mesh's data x fsdp axes")
-    few, many = _pass_models(loaded, weight_layout)
+    few, many = decoding_pair(loaded, weight_layout)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)
@@ -475,15 +475,6 @@ class Engine:
         reason = "stop" if (stopped or hit_eos) else "length"
         self._release(row, Event("done", h.emitted, reason, completion_tokens=len(committed),
                                  passes=int(passes[row])))
-
-
-def _pass_models(loaded: LoadedModel, weight_layout: str | None) -> tuple[LoadedModel, LoadedModel]:
-  """The model for passes over few token rows and the one for more: in one
-  layout when asked, else (on CPU) the [out, in] copy and the trained layout."""
-  few = for_decoding(loaded, weight_layout)
-  if weight_layout is not None or few is loaded:
-    return few, few
-  return few, with_weight_layout(loaded, "in_out")
 
 
 def _bucket(n: int, cap: int) -> int:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdlm_jax import kernels, sharding
-from mdlm_jax.builder import LoadedModel, bind, for_decoding
+from mdlm_jax.builder import LoadedModel, bind, decoding_pair, for_decoding
+from mdlm_jax.layers import FEW_ROWS
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
 from mdlm_jax.kv_cache import KVCache
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout, block_causal_mask
@@ -67,15 +68,17 @@ class Generator:
   def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None):
     """`mesh`: run under this mesh (params as loaded onto it, the batch of
     rows sharded over 'data' x 'fsdp'); None: wherever the params live.
-    `weight_layout`: decode from a copy of the weights in this layout
-    (default: the fastest for the platform, see `builder.for_decoding`)."""
-    loaded = for_decoding(loaded, weight_layout)
+    `weight_layout`: decode from a copy of the weights in this layout. By
+    default, on CPU, calls whose passes carry few token rows read an [out, in]
+    copy and larger ones the trained layout (`builder.decoding_pair`)."""
+    self._few, self._many = decoding_pair(loaded, weight_layout)
+    loaded = self._few
     self.loaded, self.mesh = loaded, mesh
     self.tok = loaded.tokenizer
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
     if loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
-    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "stream"))
+    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "stream", "many"))
     self._on_step = None  # the current call's draft handler (see `stream`)
 
   def _emit(self, step, tokens):
@@ -84,15 +87,17 @@ class Generator:
     if self._on_step is not None:
       self._on_step(step, tokens)
 
-  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, stream=False):
+  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, stream=False, many=False):
+    """`many`: `params` are those of the model for passes over many rows."""
     emit = self._emit if stream else None
-    model = bind(self.loaded.spec, params)
+    spec = (self._many if many else self._few).spec
+    model = bind(spec, params)
     B, L = tokens.shape
     if getattr(sampler, "is_block_causal", False):
       attn_mask = block_causal_mask(valid, layout, sampler.block_size)
     else:
       attn_mask = kernels.AttentionMask(kv_valid=valid)  # never attend to padding
-    tc, cfg = self.time_conditioned, self.loaded.spec.cfg
+    tc, cfg = self.time_conditioned, spec.cfg
 
     class Denoiser:
       """The model as the samplers see it: full-canvas passes, or cached blocks."""
@@ -147,9 +152,14 @@ class Generator:
         if len(prompts) % (self.mesh.shape["data"] * self.mesh.shape["fsdp"]):
           raise ValueError(f"{len(prompts)} rows do not divide over the mesh's data x fsdp axes")
         arrays = [jax.device_put(x, rows) for x in arrays]
+      # A cached block pass carries the block and the finished one before it;
+      # an uncached pass the whole canvas.
+      per_row = 2 * sampler.block_size if getattr(sampler, "kv_cache", False) else canvas.tokens.shape[1]
+      many = len(prompts) * per_row > FEW_ROWS
       try:
-        out = self._run(self.loaded.params, *arrays, jax.random.PRNGKey(seed), sampler=sampler, layout=layout,
-                        record=record_drafts, stream=on_draft is not None)
+        out = self._run((self._many if many else self._few).params, *arrays, jax.random.PRNGKey(seed),
+                        sampler=sampler, layout=layout, record=record_drafts, stream=on_draft is not None,
+                        many=many)
         out = jax.device_get(out)
       finally:
         self._on_step = None
