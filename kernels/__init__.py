@@ -56,6 +56,28 @@ def _kernel_target(implementation: str) -> tuple[str, bool] | None:
   return None
 
 
+# Up to this many rows `out_in_matmul` forms [out, tokens]; beyond, [tokens,
+# out]. Past it the trained [in, out] layout is the faster on XLA:CPU
+# (measured), which is where the generator and the engine switch to it.
+FEW_ROWS = 64
+
+
+def out_in_matmul(x2d, w_out_in, preferred_element_type=None):
+  """x2d [tokens, in] times a weight stored [out, in]: [tokens, out].
+
+  Against a few token rows (decoding) XLA:CPU forms [out, tokens] from such a
+  weight up to 2.5x faster than [tokens, out] from an [in, out] one,
+  streaming each weight row once; the barrier keeps XLA from folding the
+  transpose back into the product."""
+  rows = x2d.shape[0]
+  if rows > FEW_ROWS:
+    return jax.numpy.einsum("mk,nk->mn", x2d, w_out_in, preferred_element_type=preferred_element_type)
+  product = jax.numpy.einsum("nk,mk->nm", w_out_in, x2d, preferred_element_type=preferred_element_type)
+  if rows == 1:  # [out, 1] and [1, out] are the same bytes
+    return product.reshape(1, -1)
+  return jax.lax.optimization_barrier(product).T
+
+
 @struct.dataclass
 class HeadInput:
   """What the vocabulary head reads: final hidden states (already scaled as
@@ -75,13 +97,8 @@ class HeadInput:
   def logits(self) -> Float[Array, "b t v"]:
     b, t, d = self.hidden.shape
     h2, w = self.hidden.reshape(b * t, d), self.w.astype(self.hidden.dtype)
-    if not self.out_in:
-      return jax.numpy.matmul(h2, w, preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
-    # [v, tokens] streams each embedding row once (see mdlm_jax.layers.dense).
-    product = jax.numpy.einsum("vd,nd->vn", w, h2, preferred_element_type=LOGITS_DTYPE)
-    if b * t == 1:  # [v, 1] and [1, v] are the same bytes
-      return product.reshape(b, t, -1)
-    return jax.lax.optimization_barrier(product).T.reshape(b, t, -1)
+    matmul = out_in_matmul if self.out_in else jax.numpy.matmul
+    return matmul(h2, w, preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
 
   @property
   def fused(self) -> bool:

@@ -24,31 +24,16 @@ def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None
 
 
 WEIGHT_LAYOUTS = ("in_out", "out_in")
-# Up to this many rows `dense` forms [out, tokens] from an [out, in] weight;
-# beyond, [tokens, out]. Past it the trained [in, out] layout is the faster on
-# XLA:CPU (measured), which is where the serving engine switches to it.
-FEW_ROWS = 64
+FEW_ROWS = kernels.FEW_ROWS
 
 
 def dense(x2d, w2d, dtype, out_in: bool = False):
   """A matmul on [tokens, features]. Activations are flattened to 2-D before
   every weight matmul: XLA:CPU runs the backward of a [b, l, d] x [d, m]
   contraction at half the speed of the same product on [b * l, d].
-
-  With `out_in` the weight is stored [out, in]. Against a few token rows
-  (decoding) XLA:CPU forms [out, tokens] from such a weight up to 2.5x faster
-  than [tokens, out] from an [in, out] one, streaming each weight row once;
-  the barrier keeps XLA from folding the transpose back into the product."""
-  if not out_in:
-    return x2d.astype(dtype) @ w2d.astype(dtype)
-  w2d, x2d = w2d.astype(dtype), x2d.astype(dtype)
-  rows = x2d.shape[0]
-  if rows > FEW_ROWS:
-    return x2d @ w2d.T
-  product = jnp.einsum("nk,mk->nm", w2d, x2d)
-  if rows == 1:  # [out, 1] and [1, out] are the same bytes
-    return product.reshape(1, -1)
-  return jax.lax.optimization_barrier(product).T
+  With `out_in` the weight is stored [out, in] (`kernels.out_in_matmul`)."""
+  x2d, w2d = x2d.astype(dtype), w2d.astype(dtype)
+  return kernels.out_in_matmul(x2d, w2d) if out_in else x2d @ w2d
 
 
 def _add_bias(y, b):

@@ -121,7 +121,8 @@ def main(argv):
     engine_call(i)
     http_call(i)
   result = {"bench": "serve", "checkpoint": path, "slots": a.slots, "max_tokens": a.max_tokens,
-            "effort": a.effort, "weight_layouts": sorted({engine._few[0].spec.cfg.weight_layout, engine._many[0].spec.cfg.weight_layout}), "levels": {}}
+            "effort": a.effort, "weight_layouts": engine.weight_layouts,
+            "levels": {}}
   pairs = [(engine_call(i), http_call(i)) for i in range(a.overhead_pairs)]
   direct, served = [p[0] for p in pairs], [p[1] for p in pairs]
   result["engine_in_process_c1"] = _summary([r[0] for r in direct], sum(r[1] for r in direct),

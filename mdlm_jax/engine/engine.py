@@ -195,6 +195,11 @@ class Engine:
   # -- public API -----------------------------------------------------------
 
   @property
+  def weight_layouts(self) -> list[str]:
+    """The weight layouts its passes read (two on CPU by default)."""
+    return sorted({self._few[0].spec.cfg.weight_layout, self._many[0].spec.cfg.weight_layout})
+
+  @property
   def num_slots(self) -> int:
     return self.sc.num_slots
 

@@ -180,8 +180,9 @@ class Generator:
     valid = np.zeros((len(rows), width), bool)
     for i, r in enumerate(rows):
       tokens[i, :len(r)], valid[i, :len(r)] = r, True
+    model_for = self._many  # whole-canvas passes: the layout for many rows
     if not hasattr(self, "_score"):
-      spec, mask_id, tc = self.loaded.spec, self.tok.mask_id, self.time_conditioned
+      spec, mask_id, tc = model_for.spec, self.tok.mask_id, self.time_conditioned
 
       @jax.jit
       def score(params, tokens, valid, key, t):
@@ -201,7 +202,7 @@ class Generator:
     for j in range(time_samples):
       # The same stratum of t for every row in a sample: rows are compared fairly.
       t = jnp.full((len(rows),), (j + 0.5) / time_samples, jnp.float32)
-      total += np.asarray(self._score(self.loaded.params, jnp.asarray(tokens), jnp.asarray(valid),
+      total += np.asarray(self._score(model_for.params, jnp.asarray(tokens), jnp.asarray(valid),
                                       jax.random.fold_in(base, j), t))
     return total / time_samples / valid.sum(-1)
 
