@@ -114,16 +114,23 @@ class KVCache:
   def write(self, layer: int, k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]) -> "KVCache":
     """Writes one layer's new keys/values at [length, length + t); `length` is not advanced.
 
-    The caller must leave room: `dynamic_update_slice` clamps an offset that
-    would run past max_len instead of failing."""
-    k = k.transpose(0, 2, 3, 1).astype(self.k.dtype)  # [b, g, d, t]
-    v = v.transpose(0, 2, 1, 3).astype(self.v.dtype)  # [b, g, t, d]
+    The caller must leave room: with one fill point for all rows,
+    `dynamic_update_slice` clamps an offset that would run past max_len; with
+    one per row, slots past max_len are dropped."""
     if not self.per_row:
+      k = k.transpose(0, 2, 3, 1).astype(self.k.dtype)  # [b, g, d, t]
+      v = v.transpose(0, 2, 1, 3).astype(self.v.dtype)  # [b, g, t, d]
       nk = jax.lax.dynamic_update_slice(self.k, k[None], (layer, 0, 0, 0, self.length))
       nv = jax.lax.dynamic_update_slice(self.v, v[None], (layer, 0, 0, self.length, 0))
     else:
-      nk = self.k.at[layer].set(self._at_length(self.k[layer], k, 3))
-      nv = self.v.at[layer].set(self._at_length(self.v[layer], v, 2))
+      # One in-place scatter of the t new slots of every row, [b, t, g, d]
+      # updates at (layer, row, :, :, length[row] + j): writing the layer's
+      # rows one by one (a vmapped dynamic_update_slice) rewrites the whole
+      # layer, which on CPU cost a fifth of a 16-row serving pass.
+      rows = jnp.arange(k.shape[0], dtype=jnp.int32)[:, None]
+      slots = self.length[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+      nk = self.k.at[layer, rows, :, :, slots].set(k.astype(self.k.dtype), mode="drop")
+      nv = self.v.at[layer, rows, :, slots, :].set(v.astype(self.v.dtype), mode="drop")
     return self.replace(k=constrain(nk, K_AXES), v=constrain(nv, V_AXES))
 
   def layer(self, layer: int) -> tuple[Float[Array, "b s g d"], Float[Array, "b s g d"]]:

@@ -108,11 +108,16 @@ def test_passes_do_not_copy_the_cache(loaded):
   e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
   full = "|".join(",".join(str(d) for d in x.shape) for x in (e._state.cache.k, e._state.cache.v))
   # Passes over some slots, with and without finished blocks, and over all without.
-  for rows, with_head in ((1, True), (4, True), (1, False), (8, False)):
+  for rows, with_head in ((1, True), (4, True), (1, False), (8, False), (8, True)):
     model, _, step = e._programs_for(rows * 8 * (2 if with_head else 1))
     hlo = step.lower(model.params, e._state, rows=rows, with_head=with_head).compile().as_text()
     copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
     assert not copies, f"rows={rows}, with_head={with_head}: {len(copies)} copies of the whole cache"
+    if rows == e.num_slots:
+      # Each row's new keys land by one scatter; a dynamic-update-slice
+      # producing the whole buffer here rewrites a whole layer of it.
+      rewrites = re.findall(rf"dynamic-update-slice\S* = f32\[(?:{full})\]", hlo)
+      assert not rewrites, f"rows={rows}, with_head={with_head}: {len(rewrites)} whole-layer rewrites"
 
 
 def test_sampled_tokens_do_not_depend_on_company(loaded, engine):
