@@ -44,3 +44,24 @@ def test_gen_ppl_is_the_ar_nll_of_the_completion_only():
 def test_bench_train_finds_the_default_config():
   c = bench_train.load_config(bench_train.default_config_path())
   assert c.data.seq_len == 384 and c.objective == "mdlm"
+
+
+def test_matmul_peak_is_the_best_timing_window(monkeypatch):
+  """A window slowed by other work sharing the machine must not lower the
+  peak (a low peak reports an MFU above 100%): the fastest window counts."""
+  from mdlm_jax import flops
+  now = [0.0]
+  # The first window's 5 clock readings advance 10 ms each, later ones 1 ms.
+  steps = iter([0.01] * 5 + [0.001] * 10_000)
+
+  def clock():
+    now[0] += next(steps)
+    return now[0]
+
+  monkeypatch.setattr(flops.time, "perf_counter", clock)
+  n = 64
+  got = flops.measure_matmul_peak(n, seconds=0.004, windows=2)
+  # Each window: a start reading, checks at +1 and +2 (fewer than 2 reps: run
+  # on), at +3 (2 reps, past 2 ms: stop), and the end at +4: 2 reps in 4
+  # readings, 40 ms in the slow window and 4 ms in the fast one.
+  np.testing.assert_allclose(got, 2.0 * n ** 3 * 2 / 0.004, rtol=1e-9)
