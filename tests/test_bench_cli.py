@@ -31,6 +31,13 @@ def test_bench_serve(tiny_checkpoints, tmp_path):
   assert out["engine_in_process_c1"]["requests"] == out["http_paired_c1"]["requests"] == 2
   for level in out["levels"].values():
     assert level["p50_latency_s"] <= level["p95_latency_s"]
+  pc = out["pass_compute"]
+  assert set(pc["passes"]) == {f"{n}_slots_{w}_finished_blocks" for n in (1, 4) for w in ("with", "without")}
+  for p in pc["passes"].values():
+    assert p["gflop_per_s"] == pytest.approx(p["gflop"] / p["ms"] * 1e3)
+  passes = lambda n: [p for p in pc["passes"].values() if p["slots"] == n]  # noqa: E731
+  bound = 4 * sum(p["ms"] for p in passes(1)) / (sum(p["gflop"] for p in passes(4)) / pc["matmul_peak_gflop_per_s"] * 1e3)
+  assert pc["batching_gain_bound"] == pytest.approx(bound)
 
 
 def test_bench_sample(tiny_checkpoints, tmp_path):

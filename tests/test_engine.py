@@ -217,3 +217,27 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
     e.close(deadline_s=1)
   with pytest.raises(RuntimeError, match="before start"):
     e.warmup()
+
+
+def test_pass_flops_and_timing(loaded):
+  """pass_flops counts every matmul of a pass from the weights' shapes (an
+  independent count), and pass_seconds times real passes, only before start()."""
+  import numpy as np
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=16, block_size=8, weight_layout="in_out")
+  cfg, s = loaded.spec.cfg, e.sc.cache_len
+  blocks = loaded.params["blocks"]
+  per_layer = [sum(int(np.prod(w.shape)) for part in b.values() for name, w in part.items() if w.ndim >= 2
+                   and name != "scale") for b in blocks.values()]
+  head = int(np.prod(loaded.params["head"].shape)) if "head" in loaded.params else cfg.vocab_size * cfg.embed_dim
+  attention = 4 * s * cfg.num_heads * cfg.resolved_head_dim  # q k^T and p v over the whole cache, per layer
+  encode = sum(2 * n + attention for n in per_layer)
+  for slots, rows in ((1, 1), (3, 4), (4, 4)):
+    assert e.pass_flops(slots, False) == pytest.approx(rows * 8 * (encode + 2 * head))
+    assert e.pass_flops(slots, True) == pytest.approx(rows * 8 * (2 * encode + 2 * head))
+  assert 0 < e.pass_seconds(1, True, repeats=2) < 60
+  e.start()
+  try:
+    with pytest.raises(RuntimeError, match="before start"):
+      e.pass_seconds(1, True)
+  finally:
+    e.close(deadline_s=1)

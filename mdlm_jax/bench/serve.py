@@ -7,7 +7,10 @@ Starts the real server on 127.0.0.1 (uvicorn in this process, engine with
 sending --requests-per-client non-streaming completions in turn (prompts from
 held-out validation code). Reports p50/p95 latency and total tokens/s per
 level, the HTTP overhead at concurrency 1 against calling the engine directly,
-and the throughput gained by batching (highest level against 1).
+and the throughput gained by batching (highest level against 1). Before the
+load, it times single passes over 1 slot and over all of them against the
+machine's matmul peak: where one slot's pass already computes near the peak,
+batching cannot multiply throughput (`pass_compute.batching_gain_bound`).
 
 The overhead comes from --overhead-pairs pairs, each the same request sent to
 the engine and then over HTTP, back to back: pairing cancels the drift of a
@@ -87,7 +90,9 @@ def main(argv):
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
                   max_queue=4 * max(a.concurrency) * a.requests_per_client,
-                  weight_layout=a.weight_layout).warmup().start()
+                  weight_layout=a.weight_layout).warmup()
+  result_compute = pass_compute(engine, a.slots)
+  engine.start()
   app = create_app(engine, model_id="bench",
                    limits=Limits(max_tokens=max_new, max_prompt_tokens=2 * a.prompt_tokens + 16))
   port = _free_port()
@@ -122,7 +127,7 @@ def main(argv):
     http_call(i)
   result = {"bench": "serve", "checkpoint": path, "slots": a.slots, "max_tokens": a.max_tokens,
             "effort": a.effort, "weight_layouts": engine.weight_layouts,
-            "levels": {}}
+            "pass_compute": result_compute, "levels": {}}
   pairs = [(engine_call(i), http_call(i)) for i in range(a.overhead_pairs)]
   direct, served = [p[0] for p in pairs], [p[1] for p in pairs]
   result["engine_in_process_c1"] = _summary([r[0] for r in direct], sum(r[1] for r in direct),
@@ -158,6 +163,33 @@ def main(argv):
     plot(result, a.png)
     result["png"] = a.png
   emit(result, a)
+
+
+def pass_compute(engine, slots: int) -> dict:
+  """How fast one pass over 1 slot and over `slots` slots computes, against
+  the machine's matmul peak. Where a 1-slot pass already runs near the peak
+  (compute-bound, as on a small CPU), batching cannot gain much: the bound is
+  the gain if the full pass ran at the peak while the 1-slot pass stays as is."""
+  from mdlm_jax import flops
+  out = {"passes": {}}
+  for n in sorted({1, slots}):
+    for with_head in (True, False):
+      seconds, work = engine.pass_seconds(n, with_head), engine.pass_flops(n, with_head)
+      out["passes"][f"{n}_slots_{'with' if with_head else 'without'}_finished_blocks"] = {
+          "slots": n, "with_finished_blocks": with_head, "ms": seconds * 1e3, "gflop": work / 1e9,
+          "gflop_per_s": work / seconds / 1e9}
+  peak = flops.measure_matmul_peak()
+  out["matmul_peak_gflop_per_s"] = peak / 1e9
+  # Passes with and without finished blocks alternate: weigh them equally.
+  rows = lambda n: [p for p in out["passes"].values() if p["slots"] == n]  # noqa: E731
+  one = sum(p["ms"] for p in rows(1)) / 2
+  full_at_peak = sum(p["gflop"] for p in rows(slots)) / 2 / out["matmul_peak_gflop_per_s"] * 1e3
+  out["batching_gain_bound"] = slots * one / full_at_peak
+  for name, p in out["passes"].items():
+    print(f"pass, {name.replace('_', ' ')}: {p['ms']:.2f} ms, {p['gflop_per_s']:.0f} GFLOP/s", file=sys.stderr)
+  print(f"matmul peak {out['matmul_peak_gflop_per_s']:.0f} GFLOP/s: {slots} slots can gain at most"
+        f" {out['batching_gain_bound']:.2f}x over 1", file=sys.stderr, flush=True)
+  return out
 
 
 def plot(result: dict, path: str):

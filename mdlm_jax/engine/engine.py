@@ -236,6 +236,34 @@ class Engine:
       jax.block_until_ready(self._state)
     return self
 
+  def pass_seconds(self, slots: int, with_head: bool, repeats: int = 10) -> float:
+    """Seconds of one refinement pass over `slots` slots (rounded up to the
+    pass size the engine would run), fastest of `repeats` after a warm-up: a
+    pass costs the same whether its slots are busy or idle. For benchmarks;
+    call before start()."""
+    if self._thread is not None:
+      raise RuntimeError("time passes before start(): the engine thread owns the state once started")
+    rows = self._rows_for(slots)
+    best = float("inf")
+    with self._mesh_context():
+      for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        self._run_pass(rows, with_head)
+        jax.block_until_ready(self._state)
+        if i:  # the first compiles, or waits for whatever ran before
+          best = min(best, time.perf_counter() - t0)
+    return best
+
+  def pass_flops(self, slots: int, with_head: bool) -> float:
+    """Model FLOPs of that pass: every slot's block reads the whole cache and
+    is scored; a finished block is encoded (keys and values) but not scored."""
+    from mdlm_jax import flops
+    cfg = self.loaded.spec.cfg
+    per_token = flops.forward_flops_per_token(cfg, self.sc.cache_len)
+    scored = per_token * self.sc.block_size
+    encoded = (per_token - 2 * cfg.embed_dim * cfg.vocab_size) * self.sc.block_size if with_head else 0.0
+    return self._rows_for(slots) * (scored + encoded)
+
   def submit(self, request: Request, *, want_drafts: bool = False) -> Handle:
     self._check(request)
     h = Handle(request, want_drafts)
