@@ -241,3 +241,13 @@ def test_pass_flops_and_timing(loaded):
       e.pass_seconds(1, True)
   finally:
     e.close(deadline_s=1)
+
+
+def test_prompt_buckets_pad_at_most_a_third():
+  from mdlm_jax.engine.engine import _bucket
+  sizes = sorted({16 << k for k in range(8)} | {24 << k for k in range(8)})
+  for n in range(1, 2000):
+    want = min(s for s in sizes if s >= n)
+    assert _bucket(n, 10_000) == want
+    assert n < 16 or (want - n) / want < 1 / 3
+    assert _bucket(n, 100) == min(want, 100)
