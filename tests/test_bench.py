@@ -41,6 +41,35 @@ def test_gen_ppl_is_the_ar_nll_of_the_completion_only():
   np.testing.assert_allclose(total, want, rtol=1e-5)
 
 
+def test_reference_quality_scores_the_true_continuations():
+  """Each held-out continuation is scored given BOS + its prompt, like a
+  completion; gen-PPL pools the NLL over all their tokens."""
+
+  class Tok:  # one id per character
+    bos_id = 1
+
+    def encode(self, text):
+      return [ord(ch) for ch in text]
+
+    def decode(self, ids):
+      return "".join(map(chr, ids))
+
+  calls = []
+
+  def scorer(prompt_ids, completion_ids):  # NLL: 0.01 per id value of the completion
+    calls.append((prompt_ids, completion_ids))
+    return 0.01 * sum(completion_ids), len(completion_ids)
+
+  tok = Tok()
+  examples = [("x = [1,", tok.encode(" 2]\ny = 3\n")), ("def f(:", tok.encode("\n  pass\n")), ("a", [])]
+  got = bench_sample.reference_quality(examples, tok, scorer)
+  assert calls[0] == ([1] + tok.encode("x = [1,"), tok.encode(" 2]\ny = 3\n"))
+  ids = [i for _, c in examples for i in c]
+  np.testing.assert_allclose(got["gen_ppl"], np.exp(0.01 * sum(ids) / len(ids)), rtol=1e-12)
+  assert got["parse_rate"] == 2 / 3  # "def f(:" never parses; "a" alone does
+  assert got["new_tokens_mean"] == len(ids) / 3
+
+
 def test_bench_train_finds_the_default_config():
   c = bench_train.load_config(bench_train.default_config_path())
   assert c.data.seq_len == 384 and c.objective == "mdlm"

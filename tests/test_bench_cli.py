@@ -46,6 +46,7 @@ def test_bench_sample(tiny_checkpoints, tmp_path):
                "--prompt-tokens=16", tmp_path=tmp_path)
   rows = out["batches"]["1"]
   assert out["repeats"] == 2
+  assert out["reference"]["gen_ppl"] > 1 and 0 <= out["reference"]["parse_rate"] <= 1
   assert set(rows) == {"medium", "ar", "ar_in_out", "ar_out_in"} and rows["ar"]["tokens_per_forward"] <= 1.0
   # The baseline is the AR twin's faster layout, and both layouts write the same text.
   layout = rows["ar"]["weight_layout"]

@@ -9,7 +9,8 @@ of --repeats runs (outputs are deterministic; a shared machine's speed
 drifts, and the fastest run is the least disturbed one). Quality: the AR
 twin's per-token NLL of the generated text given the prompt (gen-PPL), and
 the fraction of prompt+completion texts that parse after truncation at the
-last complete line. The AR twin runs in both weight layouts and the faster
+last complete line; the same figures for the held-out code that follows each
+prompt ("reference") say what real code scores. The AR twin runs in both weight layouts and the faster
 is its figure ("ar"): the baseline is never held to the diffusion default.
 """
 
@@ -62,8 +63,11 @@ def parses(text: str) -> bool:
     return False
 
 
-def validation_prompts(loaded, n: int, prompt_tokens: int) -> list[str]:
-  """The first `prompt_tokens` tokens of the first n validation files that are long enough."""
+def validation_examples(loaded, n: int, prompt_tokens: int, continuation_tokens: int = 0
+                        ) -> list[tuple[str, list[int]]]:
+  """(prompt, continuation) from the first n validation files of at least twice
+  `prompt_tokens` tokens: the text of their first `prompt_tokens` tokens, and
+  the ids of the (up to) `continuation_tokens` tokens that follow it."""
   from mdlm_jax import data
   c = loaded.config
   docs = data.load_documents(c.data.corpus, "validation", c.data.validation_fraction, c.data.text_field)
@@ -71,12 +75,31 @@ def validation_prompts(loaded, n: int, prompt_tokens: int) -> list[str]:
   for d in docs:
     ids = loaded.tokenizer.encode(d)
     if len(ids) >= prompt_tokens * 2:
-      out.append(loaded.tokenizer.decode(ids[:prompt_tokens]))
+      out.append((loaded.tokenizer.decode(ids[:prompt_tokens]), ids[prompt_tokens:prompt_tokens + continuation_tokens]))
     if len(out) == n:
       break
   if not out:
     raise ValueError("no validation document is long enough for the prompt")
   return out
+
+
+def validation_prompts(loaded, n: int, prompt_tokens: int) -> list[str]:
+  """The first `prompt_tokens` tokens of the first n validation files that are long enough."""
+  return [p for p, _ in validation_examples(loaded, n, prompt_tokens)]
+
+
+def reference_quality(examples, tokenizer, scorer) -> dict:
+  """The quality figures of the held-out code itself: each prompt's true
+  continuation, scored like a completion. A sampler that wrote code like the
+  data's would score about this; much lower means text the AR twin finds
+  likelier than real code (a weak twin's own greedy text repeats itself)."""
+  nll = scored = parsed = 0
+  for prompt, ids in examples:
+    s, k = scorer([tokenizer.bos_id] + tokenizer.encode(prompt), list(ids))
+    nll, scored = nll + s, scored + k
+    parsed += parses(prompt + tokenizer.decode(list(ids)))
+  return {"gen_ppl": math.exp(nll / scored) if scored else float("nan"), "parse_rate": parsed / len(examples),
+          "new_tokens_mean": scored / len(examples)}
 
 
 class GenPPL:
@@ -237,6 +260,10 @@ def plot(result: dict, path: str):
       ax.scatter(r["tokens_per_s"], r["gen_ppl"], marker=marker, s=50)
       ax.annotate(f"{name} ({r['tokens_per_forward']:.1f} tok/pass)", (r["tokens_per_s"], r["gen_ppl"]),
                   textcoords="offset points", xytext=(5, 5), fontsize=8)
+    if "reference" in result:
+      ax.axhline(result["reference"]["gen_ppl"], linestyle="--", color="gray", linewidth=1)
+      ax.annotate("held-out code", (ax.get_xlim()[0], result["reference"]["gen_ppl"]), textcoords="offset points",
+                  xytext=(4, 4), fontsize=8, color="gray")
     ax.set_xlabel("tokens / s")
     ax.set_ylabel("gen-PPL under the AR twin (lower is better)")
     ax.set_title(f"batch {batch}")
@@ -258,16 +285,18 @@ def main(argv):
     ar = builder.load(a.ar or packaged.path(packaged.AR))
     if mdlm.tokenizer.to_bytes() != ar.tokenizer.to_bytes():
       raise ValueError("the diffusion checkpoint and the AR twin use different tokenizers")
-    prompts = validation_prompts(mdlm, a.num_prompts, a.prompt_tokens)
+    examples = validation_examples(mdlm, a.num_prompts, a.prompt_tokens, a.new_tokens)
   except cli.USER_ERRORS as e:
     cli.fail("bench sample", e)
+  prompts = [p for p, _ in examples]
   scorer = GenPPL(ar)
   dgen = Generator(mdlm)
   agens = {layout: ARGenerator(ar, weight_layout=layout) for layout in WEIGHT_LAYOUTS}
   block = mdlm.config.diffusion.get("block_size", 0)
   result = {"bench": "sample", "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "num_prompts": len(prompts), "repeats": a.repeats, "mdlm_step": mdlm.step, "ar_step": ar.step,
-            "batches": {}}
+            "reference": reference_quality(examples, mdlm.tokenizer, scorer), "batches": {}}
+  print(f"held-out continuations: {json.dumps(result['reference'])}", file=sys.stderr, flush=True)
   for batch in a.batch_sizes:
     rows = {}
     for effort in a.efforts:
