@@ -212,7 +212,7 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
   try:
     req = _request(loaded, PROMPTS[1], max_tokens=16)
     assert e.submit(req).result(timeout=120).text == engine.submit(req).result(timeout=120).text
-    assert compiled() == sizes == (6, 2)  # rows 1, 2, 4 x head or not; prompts 16, 32
+    assert compiled() == sizes == (6, 3)  # rows 1, 2, 4 x head or not; prompts 16, 24, 32
   finally:
     e.close(deadline_s=1)
   with pytest.raises(RuntimeError, match="before start"):
