@@ -94,3 +94,15 @@ def test_matmul_peak_is_the_best_timing_window(monkeypatch):
   # on), at +3 (2 reps, past 2 ms: stop), and the end at +4: 2 reps in 4
   # readings, 40 ms in the slow window and 4 ms in the fast one.
   np.testing.assert_allclose(got, 2.0 * n ** 3 * 2 / 0.004, rtol=1e-9)
+
+
+def test_matmul_peak_runs_on_one_device_inside_a_mesh():
+  """Inside a training mesh, new arrays are replicated over every device and
+  each would compute the whole product: the peak must time one device's."""
+  from mdlm_jax import flops
+  assert len(jax.devices()) >= 2
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": len(jax.devices()), "fsdp": 1, "tensor": 1}))
+  with jax.set_mesh(mesh):
+    a, b = flops.matmul_operands(16)
+    assert a.devices() == b.devices() == {jax.local_devices()[0]}
+    assert flops.measure_matmul_peak(32, seconds=0.01, windows=1) > 0
