@@ -248,6 +248,18 @@ def test_presets_adapt_to_block_diffusion_models():
     sampler_for("max")
 
 
+def test_presets_commit_nested_sets():
+  """From instant to high, each preset's threshold is at least the one before
+  and its minimum at most: on the same confidences, each commits a subset of
+  what the faster one commits, so the presets are ordered in speed."""
+  from mdlm_jax.sampling.presets import EFFORTS, PRESETS
+  assert EFFORTS == ("instant", "low", "medium", "high")
+  for fast, slow in zip(EFFORTS, EFFORTS[1:]):
+    assert PRESETS[fast].threshold <= PRESETS[slow].threshold, (fast, slow)
+    assert PRESETS[fast].min_tokens >= PRESETS[slow].min_tokens, (fast, slow)
+  assert len({(p.threshold, p.min_tokens) for p in PRESETS.values()}) == len(PRESETS)
+
+
 def test_streaming_drafts_compile_once(generator):
   """Each call's draft handler is reached through one compiled callback."""
   sampler = ThresholdSampler(threshold=0.3, block_size=8)
