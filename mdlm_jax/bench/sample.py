@@ -10,8 +10,9 @@ drifts, and the fastest run is the least disturbed one). Quality: the AR
 twin's per-token NLL of the generated text given the prompt (gen-PPL), and
 the fraction of prompt+completion texts that parse after truncation at the
 last complete line; the same figures for the held-out code that follows each
-prompt ("reference") say what real code scores. The AR twin runs in both weight layouts and the faster
-is its figure ("ar"): the baseline is never held to the diffusion default.
+prompt ("reference") say what real code scores. The AR twin runs in both
+weight layouts and the faster is its figure ("ar"): the baseline is never
+held to the diffusion default.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def validation_examples(loaded, n: int, prompt_tokens: int, continuation_tokens:
   for d in docs:
     ids = loaded.tokenizer.encode(d)
     if len(ids) >= prompt_tokens * 2:
-      out.append((loaded.tokenizer.decode(ids[:prompt_tokens]), ids[prompt_tokens:prompt_tokens + continuation_tokens]))
+      continuation = ids[prompt_tokens:prompt_tokens + continuation_tokens]
+      out.append((loaded.tokenizer.decode(ids[:prompt_tokens]), continuation))
     if len(out) == n:
       break
   if not out:
