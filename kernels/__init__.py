@@ -25,7 +25,7 @@ from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, conf
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec
-from mdlm_jax.precision import LOGITS_DTYPE
+from mdlm_jax.kernels.numerics import LOGITS_DTYPE
 
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 HEAD_IMPLEMENTATIONS = IMPLEMENTATIONS + ("triton",)
@@ -148,13 +148,13 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
 def _per_shard(fn, q, k, v, mask: AttentionMask):
   """`fn` under shard_map over the mesh's batch and head axes (a pallas_call
   cannot be partitioned by XLA); a plain call outside a mesh."""
-  from mdlm_jax import sharding
+  from mdlm_jax.parallel import sharding
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or mesh.size == 1:
     return fn(q, k, v, mask)
   sizes = dict(mesh.shape)
-  qs = sharding._fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), q.shape, sizes)
-  ks = sharding._fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), k.shape, sizes)
+  qs = sharding.fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), q.shape, sizes)
+  ks = sharding.fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), k.shape, sizes)
   batch, heads = qs[0], qs[2] if qs[2] == ks[2] else None  # GQA groups must split alike
   if ks[0] != batch:
     batch = None

@@ -23,8 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, UInt32
 
-from mdlm_jax.diffusion import NEG_INF
-from mdlm_jax.sampling.gumbel import gumbel_float32
+from mdlm_jax.kernels.numerics import NEG_INF, gumbel_float32
 
 
 @dataclasses.dataclass(frozen=True)

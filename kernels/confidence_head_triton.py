@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mdlm_jax.diffusion import NEG_INF
+from mdlm_jax.kernels.numerics import NEG_INF
 from mdlm_jax.kernels.confidence_head import HeadBlockSizes, HeadSettings
 
 

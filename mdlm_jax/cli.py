@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mdlm_jax.checkpoint import CheckpointError
+from mdlm_jax.checkpoints.checkpointer import CheckpointError
 from mdlm_jax.config import ConfigError
 
 USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError, ValueError)

@@ -12,7 +12,8 @@ import json
 
 from absl import app, flags, logging
 
-from mdlm_jax import cli, distributed
+from mdlm_jax import cli
+from mdlm_jax.parallel import distributed
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "workdir, checkpoints/ folder or step folder")
 _DATA = flags.DEFINE_string("data", None, "folder, glob or .jsonl to evaluate on (default: validation split)")
@@ -33,7 +34,8 @@ def eval_mesh(mesh_text: str | None):
   """The --mesh over the first devices; else every device of a multi-process
   run (data parallel); else None (one device)."""
   import jax
-  from mdlm_jax import config as config_lib, sharding
+  from mdlm_jax import config as config_lib
+  from mdlm_jax.parallel import sharding
   if mesh_text is None:
     return sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}) if jax.process_count() > 1 else None
   sizes = config_lib.parse_mesh(mesh_text)
@@ -46,9 +48,12 @@ def eval_mesh(mesh_text: str | None):
 
 def run(checkpoint_path, data_path=None, text_field=None, num_batches=None, batch_size=None,
         time_samples=None, seed=None, raw_params=False, mesh_text=None) -> dict:
-  from mdlm_jax import builder, data, evaluation, objectives
+  from mdlm_jax import data
+  from mdlm_jax.training import evaluation
+  from mdlm_jax.diffusion import objectives
+  from mdlm_jax import checkpoints
   mesh = eval_mesh(mesh_text)
-  loaded = builder.load(checkpoint_path, mesh=mesh, use_ema=not raw_params)
+  loaded = checkpoints.load(checkpoint_path, mesh=mesh, use_ema=not raw_params)
   c = loaded.config
   text_field = text_field or c.data.text_field
   if data_path:
@@ -86,7 +91,7 @@ def main(argv):
   except cli.USER_ERRORS as e:
     cli.fail("eval", e)
   import jax
-  from mdlm_jax import evaluation
+  from mdlm_jax.training import evaluation
   if jax.process_index() != 0:
     return
   if _JSON.value:

@@ -22,7 +22,7 @@ FORMATS = ("native", "params", "llada", "dream")  # params: the old name of nati
 
 
 def parse(argv):
-  from mdlm_jax.params_only import DTYPES
+  from mdlm_jax.checkpoints.params_only import DTYPES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.export", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", required=True,
                  help="training workdir, checkpoints/ folder, step folder or exported folder;"
@@ -46,7 +46,9 @@ def parse(argv):
 
 
 def _import(a, max_shard: int) -> tuple[str, int]:
-  from mdlm_jax import builder, interop, params_only
+  from mdlm_jax.checkpoints import interop, params_only
+  from mdlm_jax import checkpoints
+  from mdlm_jax.model.spec import model_spec
   from mdlm_jax.model import ModelConfig
   fmt = interop.hf_format(a.checkpoint)
   if fmt is None:
@@ -56,7 +58,7 @@ def _import(a, max_shard: int) -> tuple[str, int]:
   if a.format not in ("native", "params") and a.format != fmt:
     raise ValueError(f"--format={a.format} but {a.checkpoint} holds a {fmt} checkpoint")
   config, tok, named, step = interop.read(a.checkpoint, a.tokenizer or None)
-  spec = builder.model_spec(ModelConfig.from_config(config.model, vocab_size=tok.vocab_size), None)
+  spec = model_spec(ModelConfig.from_config(config.model, vocab_size=tok.vocab_size), None)
   params = params_only.unflatten_like(spec.abstract, named, a.checkpoint)
   out = params_only.save(a.out, params, config, tok, step=step, dtype=a.dtype, overwrite=a.overwrite,
                          max_shard_bytes=max_shard, extra={"weights": f"imported from {fmt}",
@@ -65,13 +67,15 @@ def _import(a, max_shard: int) -> tuple[str, int]:
 
 
 def _export(a, max_shard: int) -> tuple[str, int]:
-  from mdlm_jax import builder, interop, params_only
+  from mdlm_jax.checkpoints import interop, params_only
+  from mdlm_jax import checkpoints
+  from mdlm_jax.model.spec import model_spec
   native = a.format in ("native", "params")
   if native and params_only.is_params_dir(a.checkpoint):
     raise ValueError(f"{a.checkpoint} is already a params-only folder")
   if a.tokenizer:
     raise ValueError("--tokenizer is for --import only")
-  loaded = builder.load(a.checkpoint, use_ema=not a.no_ema)
+  loaded = checkpoints.load(a.checkpoint, use_ema=not a.no_ema)
   if not native:
     out = interop.save(a.out, a.format, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
                        dtype=a.dtype, max_shard_bytes=max_shard, overwrite=a.overwrite)
@@ -89,7 +93,7 @@ def main(argv=None):
   logging.set_verbosity(logging.ERROR)
   cli.drop_closed_loop_noise()
   try:
-    from mdlm_jax import safetensors
+    from mdlm_jax.checkpoints import safetensors
     try:
       max_shard = safetensors.parse_size(a.max_shard_size)
     except ValueError as e:

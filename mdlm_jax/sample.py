@@ -9,7 +9,7 @@ after every refinement step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import re
 import json
 import sys
 
@@ -33,11 +33,11 @@ def parse(argv):
   p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
   p.add_argument("--min-tokens", type=int, default=None,
                  help="tokens committed per pass at least (threshold sampler)")
-  p.add_argument("--kv-cache", action="store_true",
-                 help="block-causal decoding with a KV cache (automatic for block-diffusion models; an"
-                      " approximation for models trained on whole sequences)")
+  p.add_argument("--no-kv-cache", action="store_true",
+                 help="full-canvas passes instead of cached blocks (exact for models trained on whole sequences,"
+                      " for which cached blocks ignore the masked blocks to their right)")
   p.add_argument("--temperature", type=float, default=None)
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (AR checkpoints)")
+  p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens with this mass")
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
@@ -85,27 +85,28 @@ def main(argv=None):
   logging.set_verbosity(logging.ERROR)
   cli.drop_closed_loop_noise()
   try:
-    from mdlm_jax import builder, packaged
+    from mdlm_jax.checkpoints import packaged
+    from mdlm_jax import checkpoints
     from mdlm_jax.sampling.ar import ARSampler
     from mdlm_jax.sampling.generate import generator_for
-    from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
-    loaded = builder.load(a.checkpoint or packaged.path())
+    from mdlm_jax.sampling import presets
+    loaded = checkpoints.load(a.checkpoint or packaged.path())
     gen = generator_for(loaded)
     if loaded.spec.cfg.causal:
       diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths)
-      if a.show_steps or any(v is not None for v in diffusion_only):
+      if a.show_steps or a.no_kv_cache or any(v is not None for v in diffusion_only):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
-                         " --block-size, --threshold and --min-tokens apply to diffusion models only")
-      sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0, top_p=a.top_p)
+                         " --block-size, --threshold, --min-tokens and --no-kv-cache apply to diffusion models only")
+      sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0,
+                          top_p=1.0 if a.top_p is None else a.top_p)
     else:
-      sampler = sampler_for(a.effort, sampler=a.sampler, steps=a.steps, block_size=a.block_size,
-                            threshold=a.threshold, temperature=a.temperature, min_tokens=a.min_tokens)
-      if a.block_size is None:
-        sampler = adapt_to_model(sampler, loaded.config.diffusion.get("block_size", 0))
-      if a.kv_cache:
-        if not hasattr(sampler, "kv_cache"):
-          raise ValueError("--kv-cache applies to the low_confidence and threshold samplers")
-        sampler = dataclasses.replace(sampler, kv_cache=True)
+      try:
+        sampler = presets.for_model(a.effort, loaded.config.diffusion.get("block_size", 0), sampler=a.sampler,
+                                    steps=a.steps, block_size=a.block_size, threshold=a.threshold,
+                                    temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
+                                    kv_cache=False if a.no_kv_cache else None)
+      except ValueError as e:  # the sampler names its field; the user typed the flag
+        raise ValueError(re.sub(r"^(\w+) must", lambda m: f"--{m.group(1).replace('_', '-')} must", str(e))) from e
     prompts = [a.prompt] * a.num_samples
     suffixes = [a.suffix] * a.num_samples if a.suffix is not None else None
     view = DraftView(a.prompt) if a.show_steps else None

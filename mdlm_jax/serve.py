@@ -21,7 +21,7 @@ import threading
 
 
 def parse(argv):
-  from mdlm_jax.layers import WEIGHT_LAYOUTS
+  from mdlm_jax.model.layers import WEIGHT_LAYOUTS
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.serve", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir, checkpoint or params-only folder (default: packaged)")
   p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -61,7 +61,9 @@ def parse(argv):
 def build(a):
   """(engine, app) for parsed flags."""
   import jax
-  from mdlm_jax import builder, packaged, sharding
+  from mdlm_jax.checkpoints import packaged
+  from mdlm_jax.parallel import sharding
+  from mdlm_jax import checkpoints
   from mdlm_jax.engine.engine import Engine
   from mdlm_jax.server.app import api_key_from_env, create_app
   from mdlm_jax.server.protocol import Limits
@@ -78,8 +80,9 @@ def build(a):
   elif jax.process_count() > 1:
     raise ValueError(f"a {jax.process_count()}-process server needs --mesh over its {len(jax.devices())} devices")
   path = a.checkpoint or packaged.path()
-  loaded = builder.load(path, mesh=mesh)
-  bs = loaded.config.diffusion.get("block_size", 0) or 8
+  loaded = checkpoints.load(path, mesh=mesh)
+  from mdlm_jax.sampling import presets
+  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   max_tokens = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
                   max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout)
@@ -96,7 +99,7 @@ def main(argv=None):
   from mdlm_jax import cli
   cli.drop_closed_loop_noise()
   try:
-    from mdlm_jax import distributed
+    from mdlm_jax.parallel import distributed
     distributed.initialize(a.coordinator_address, a.num_processes, a.process_id)
     engine, app = build(a)
   except cli.USER_ERRORS as e:

@@ -6,7 +6,8 @@ Trains an MDLM (or its AR twin), resuming from DIR when it holds a checkpoint.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mdlm_jax import cli, distributed
+from mdlm_jax import cli
+from mdlm_jax.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/NAME.py)")
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots")
@@ -19,7 +20,8 @@ def main(argv):
     cli.fail("train", ValueError(f"unexpected arguments {argv[1:]}"))
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   cli.drop_closed_loop_noise()
-  from mdlm_jax import runtime, trainer
+  from mdlm_jax.parallel import runtime
+  from mdlm_jax.training import trainer
   c = _CONFIG.value
   multi = distributed.wanted(_COORDINATOR.value, _NUM_PROCESSES.value)
   if not multi:

@@ -21,7 +21,7 @@ def load_config(name: str):
 def tiny_tokenizer_path(tmp_path_factory):
   """One small sentencepiece model on stdlib text, shared by the training tests."""
   from mdlm_jax import data
-  from mdlm_jax.tokenizer import train_tokenizer
+  from mdlm_jax.data.tokenizer import train_tokenizer
   path = str(tmp_path_factory.mktemp("tok") / "tiny.model")
   docs = data.load_documents("stdlib", "train", 0.05)
   train_tokenizer(docs, path, vocab_size=512, max_chars=1_000_000)
@@ -39,7 +39,7 @@ def tiny_config(tiny_tokenizer_path):
 def tiny_checkpoints(tmp_path_factory, tiny_tokenizer_path):
   """Two-step tiny training runs, {"mdlm": workdir, "ar": workdir}, for the
   tests that only need some trained checkpoint to read."""
-  from mdlm_jax import trainer
+  from mdlm_jax.training import trainer
   out = {}
   for objective in ("mdlm", "ar"):
     c = load_config("tiny")

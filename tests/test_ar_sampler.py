@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdlm_jax.builder import bind, model_spec
+from mdlm_jax.model.spec import bind, model_spec
 from mdlm_jax.model import ModelConfig
 from mdlm_jax.sampling.ar import ARSampler, sample_token
 from test_kv_cache import random_params

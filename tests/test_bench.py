@@ -4,10 +4,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from mdlm_jax import sharding
+from mdlm_jax.parallel import sharding
 from mdlm_jax.bench import sample as bench_sample
 from mdlm_jax.bench import train as bench_train
-from mdlm_jax.builder import LoadedModel, bind, init_params, model_spec
+from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.model.spec import bind, init_params, model_spec
 from mdlm_jax.model import ModelConfig
 
 
@@ -78,7 +79,7 @@ def test_bench_train_finds_the_default_config():
 def test_matmul_peak_is_the_best_timing_window(monkeypatch):
   """A window slowed by other work sharing the machine must not lower the
   peak (a low peak reports an MFU above 100%): the fastest window counts."""
-  from mdlm_jax import flops
+  from mdlm_jax.training import flops
   now = [0.0]
   # The first window's 5 clock readings advance 10 ms each, later ones 1 ms.
   steps = iter([0.01] * 5 + [0.001] * 10_000)
@@ -99,7 +100,7 @@ def test_matmul_peak_is_the_best_timing_window(monkeypatch):
 def test_matmul_peak_runs_on_one_device_inside_a_mesh():
   """Inside a training mesh, new arrays are replicated over every device and
   each would compute the whole product: the peak must time one device's."""
-  from mdlm_jax import flops
+  from mdlm_jax.training import flops
   assert len(jax.devices()) >= 2
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": len(jax.devices()), "fsdp": 1, "tensor": 1}))
   with jax.set_mesh(mesh):

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from mdlm_jax import block_diffusion as bd
-from mdlm_jax import builder, config as config_lib, diffusion, objectives, trainer
+from mdlm_jax.diffusion import bd3 as bd
+from mdlm_jax import config as config_lib, diffusion
+from mdlm_jax.diffusion import objectives
+from mdlm_jax.training import trainer
+from mdlm_jax.model.spec import bind, model_spec
 from mdlm_jax.diffusion import Schedule
 from mdlm_jax.model import ModelConfig
 from test_diffusion import EPS, KINDS, np_alpha, np_log_softmax_without, np_weight
@@ -70,7 +73,7 @@ def test_mask_rejects_bad_block_size():
 def tiny_model(shift_logits: bool = False):
   """Spec and numpy-drawn params: jitting the random init costs ~10 s on a
   loaded 2-core CPU, far more than the forward passes under test."""
-  spec = builder.model_spec(dataclasses.replace(TINY, shift_logits=shift_logits), None)
+  spec = model_spec(dataclasses.replace(TINY, shift_logits=shift_logits), None)
   rng = np.random.default_rng(0)
 
   def leaf(path, x):
@@ -102,7 +105,7 @@ def test_information_flow(shift_logits):
       rows.append((xt, other(x0, blk == b - 1))); cases.append((b, "x0 block b-1", True))
   xts, x0s = (jnp.asarray(np.stack(r), jnp.int32) for r in zip(*rows))
   spec, params = tiny_model(shift_logits)
-  logits = jax.jit(lambda p, xt, x0: bd.block_logits(builder.bind(spec, p), xt, x0, Lb))
+  logits = jax.jit(lambda p, xt, x0: bd.block_logits(bind(spec, p), xt, x0, Lb))
   out = np.asarray(logits(params, xts, x0s))
   assert out.shape == (len(rows), L, TINY.vocab_size)
   for row, (b, what, changes) in enumerate(cases, start=1):
@@ -122,11 +125,11 @@ def test_shifted_head_scores_each_token_from_its_predecessor():
   x0 = jnp.asarray(rng.integers(0, MASK_ID, size=(2, L)), jnp.int32)
   xt = jnp.where(jnp.asarray(rng.random((2, L)) < 0.5), MASK_ID, x0)
   spec, params = tiny_model(True)
-  shifted = np.asarray(jax.jit(lambda p: bd.block_logits(builder.bind(spec, p), xt, x0, Lb))(params))
+  shifted = np.asarray(jax.jit(lambda p: bd.block_logits(bind(spec, p), xt, x0, Lb))(params))
   plain_spec, _ = tiny_model(False)
 
   def states(p):
-    m = builder.bind(plain_spec, p)
+    m = bind(plain_spec, p)
     tokens = jnp.concatenate([xt, x0], axis=1)
     pos = jnp.broadcast_to(jnp.asarray(bd.block_positions(L)), (2, 2 * L))
     from mdlm_jax import kernels
@@ -134,10 +137,10 @@ def test_shifted_head_scores_each_token_from_its_predecessor():
 
   h = jax.jit(states)(params)
   source = [0] + [L + i - 1 if i % Lb == 0 else i - 1 for i in range(1, L)]
-  want = np.asarray(builder.bind(plain_spec, params).logits(h[:, np.asarray(source)]))
+  want = np.asarray(bind(plain_spec, params).logits(h[:, np.asarray(source)]))
   np.testing.assert_allclose(shifted, want, rtol=1e-5, atol=1e-5)
   assert np.abs(shifted - np.asarray(jax.jit(
-      lambda p: bd.block_logits(builder.bind(plain_spec, p), xt, x0, Lb))(params))).max() > 1e-2
+      lambda p: bd.block_logits(bind(plain_spec, p), xt, x0, Lb))(params))).max() > 1e-2
 
 
 def test_block_size_seq_len_is_mdlm():
@@ -149,7 +152,7 @@ def test_block_size_seq_len_is_mdlm():
   s = Schedule("cosine", EPS)
   bd3 = objectives.BD3Objective(s, MASK_ID, block_size=L)
   mdlm = objectives.MDLMObjective(s, MASK_ID)
-  run = jax.jit(lambda obj, p, x, k: obj(builder.bind(spec, p), x, k), static_argnums=0)
+  run = jax.jit(lambda obj, p, x, k: obj(bind(spec, p), x, k), static_argnums=0)
   for seed in range(2):
     key = jax.random.key(seed)
     (a, na), (b, nb) = run(bd3, params, x0, key), run(mdlm, params, x0, key)

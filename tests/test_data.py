@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mdlm_jax import data
-from mdlm_jax.tokenizer import Tokenizer, train_tokenizer
+from mdlm_jax.data.tokenizer import Tokenizer, train_tokenizer
 
 SEQ, BATCH = 64, 4
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdlm_jax import diffusion, objectives
+from mdlm_jax import diffusion
+from mdlm_jax.diffusion import objectives
 from mdlm_jax.diffusion import Schedule
 
 KINDS = ("loglinear", "linear", "cosine")

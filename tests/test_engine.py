@@ -6,9 +6,11 @@ import time
 import jax
 import pytest
 
-from mdlm_jax import builder, sharding
+from mdlm_jax.parallel import sharding
+from mdlm_jax import checkpoints
+from mdlm_jax.model.spec import model_spec
 from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request
-from mdlm_jax.layers import FEW_ROWS
+from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import Generator
 from mdlm_jax.sampling.samplers import ThresholdSampler
 
@@ -18,7 +20,7 @@ SETTINGS = [dict(threshold=0.9, min_tokens=2), dict(threshold=0.5, min_tokens=4)
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints):
-  return builder.load(tiny_checkpoints["mdlm"])
+  return checkpoints.load(tiny_checkpoints["mdlm"])
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,12 @@ def engine(loaded):
   e.close(deadline_s=1)
 
 
-def _request(loaded, prompt, **kw):
+def _request(loaded, prompt, *, max_tokens, seed=0, stop=(), suffix="", **settings):
+  """An engine request with the cached threshold rule in blocks of 8 and `settings`."""
   gen = Generator(loaded)
-  return Request(gen.encode_prompt(prompt), **kw)
+  sampler = ThresholdSampler(block_size=8, kv_cache=True, **settings)
+  suffix_ids = gen.tok.encode(suffix) if suffix else ()
+  return Request(gen.encode_prompt(prompt), max_tokens, sampler, seed=seed, stop=stop, suffix_ids=suffix_ids)
 
 
 def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
@@ -48,11 +53,25 @@ def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
   assert engine.stats["steps_with_head"] > 0 and engine.stats["steps_without_head"] > 0
 
 
+def test_infilling_matches_the_generator_and_respects_max_tokens(loaded, engine):
+  """A fill-in-the-middle request in the slots gives the one-shot cached
+  sampler's middle for the same suffix, seed and settings (two code paths,
+  one rule), sampled as well as greedy; the middle never exceeds max_tokens."""
+  gen = Generator(loaded)
+  cases = [("def f(x):\n", "\n    return y\n", 11, {}), ("x = ", "\nprint(x)\n", 16, dict(temperature=1.0))]
+  handles = [engine.submit(_request(loaded, p, max_tokens=n, suffix=suf, seed=3, **kw)) for p, suf, n, kw in cases]
+  for h, (p, suf, n, kw) in zip(handles, cases):
+    done = h.result(timeout=120)
+    want = gen.generate([p], max_new_tokens=n, seed=3, suffixes=[suf],
+                        sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
+    assert done.text == want.text and done.completion_tokens <= n
+
+
 def test_a_shifted_head_matches_the_generator(loaded):
   """A model scoring token i from state i - 1 (shift_logits) decodes the same in
   the engine, whose slots keep each row's last state, as in the one-shot sampler."""
   import dataclasses
-  spec = builder.model_spec(dataclasses.replace(loaded.spec.cfg, shift_logits=True), None)
+  spec = model_spec(dataclasses.replace(loaded.spec.cfg, shift_logits=True), None)
   shifted = dataclasses.replace(loaded, spec=spec)
   gen = Generator(shifted)
   e = Engine(shifted, num_slots=2, max_prompt=32, max_new_tokens=16, block_size=8).start()
@@ -178,7 +197,11 @@ def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
     with pytest.raises(ValueError, match="max_tokens"):
       e.submit(_request(loaded, PROMPTS[0], max_tokens=25))
     with pytest.raises(ValueError, match="prompt has"):
-      e.submit(Request([1] * 33, max_tokens=8))
+      e.submit(Request([1] * 33, 8, ThresholdSampler(block_size=8, kv_cache=True)))
+    with pytest.raises(ValueError, match="prompt and suffix have .* tokens; this engine takes 1 to 32"):
+      e.submit(_request(loaded, PROMPTS[0], max_tokens=8, suffix="x" * 40))
+    with pytest.raises(ValueError, match="blocks of 8"):
+      e.submit(Request([1], 8, ThresholdSampler(block_size=16, kv_cache=True)))
   finally:
     e.close(deadline_s=1)
   with pytest.raises(EngineClosed):
@@ -188,7 +211,7 @@ def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
 @pytest.mark.slow
 def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
-  sharded = builder.load(tiny_checkpoints["mdlm"], mesh=mesh)
+  sharded = checkpoints.load(tiny_checkpoints["mdlm"], mesh=mesh)
   e = Engine(sharded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8, mesh=mesh).start()
   try:
     reqs = [_request(loaded, p, max_tokens=16, temperature=1.0, seed=3, **kw) for p, kw in zip(PROMPTS, SETTINGS)]

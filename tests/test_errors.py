@@ -7,7 +7,10 @@ import sys
 import pytest
 
 from conftest import REPO, load_config
-from mdlm_jax import builder, checkpoint, config as config_lib, trainer
+from mdlm_jax import config as config_lib
+from mdlm_jax.checkpoints import checkpointer
+from mdlm_jax.training import trainer
+from mdlm_jax import checkpoints
 
 
 def run_module(*args, timeout=240):
@@ -81,15 +84,15 @@ def test_corrupt_checkpoint_is_named(trained, tmp_path):
   import shutil
   bad = tmp_path / "bad"
   shutil.copytree(trained, bad)
-  root, step = checkpoint.resolve(str(bad))
+  root, step = checkpointer.resolve(str(bad))
   weights = os.path.join(root, str(step), "weights")
   for dirpath, _, files in os.walk(weights):
     for name in files:
       if "ocdbt" in dirpath or name.startswith("manifest") or dirpath.endswith("/d"):
         with open(os.path.join(dirpath, name), "wb") as f:
           f.write(b"garbage")
-  with pytest.raises(checkpoint.CheckpointError, match="weights unreadable"):
-    builder.load(str(bad))
+  with pytest.raises(checkpointer.CheckpointError, match="weights unreadable"):
+    checkpoints.load(str(bad))
   r = run_module("mdlm_jax.eval", f"--checkpoint={bad}")
   assert r.returncode != 0 and "Traceback" not in r.stderr
   assert "eval: error: checkpoint" in r.stderr and "weights unreadable" in r.stderr
@@ -97,15 +100,15 @@ def test_corrupt_checkpoint_is_named(trained, tmp_path):
   meta = os.path.join(root, str(step), "meta", "metadata")
   with open(meta, "w") as f:
     f.write("{not json")
-  with pytest.raises(checkpoint.CheckpointError, match="metadata unreadable"):
-    builder.load(str(bad))
+  with pytest.raises(checkpointer.CheckpointError, match="metadata unreadable"):
+    checkpoints.load(str(bad))
 
 
 def test_missing_checkpoint(tmp_path):
   r = run_module("mdlm_jax.eval", f"--checkpoint={tmp_path / 'nothing'}")
   assert r.returncode != 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
-  with pytest.raises(checkpoint.CheckpointError, match="no checkpoint found"):
-    checkpoint.resolve(str(tmp_path))
+  with pytest.raises(checkpointer.CheckpointError, match="no checkpoint found"):
+    checkpointer.resolve(str(tmp_path))
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mdlm_jax import builder, params_only, safetensors
+from mdlm_jax.checkpoints import params_only, safetensors
+from mdlm_jax import checkpoints
 
 
 def _random_tensors(rng):
@@ -88,16 +89,16 @@ def _logits(loaded, tokens):
 
 def test_export_cli_bfloat16_and_float32(tiny_checkpoints, tmp_path, capsys):
   from mdlm_jax import export
-  src = builder.load(tiny_checkpoints["mdlm"])
+  src = checkpoints.load(tiny_checkpoints["mdlm"])
   export.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'bf16'}"])
   assert "bfloat16" in capsys.readouterr().out
-  bf = builder.load(str(tmp_path / "bf16"))
+  bf = checkpoints.load(str(tmp_path / "bf16"))
   assert bf.step == src.step and bf.tokenizer.to_bytes() == src.tokenizer.to_bytes()
   for k, want in params_only.flatten(src.params).items():  # exactly the bfloat16 rounding of the EMA
     got = params_only.flatten(bf.params)[k]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(ml_dtypes.bfloat16).astype(np.float32))
   export.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'f32'}", "--dtype=float32"])
-  f32 = builder.load(str(tmp_path / "f32"))
+  f32 = checkpoints.load(str(tmp_path / "f32"))
   tokens = jnp.asarray(np.random.default_rng().integers(0, src.tokenizer.vocab_size, (2, 16)))
   np.testing.assert_array_equal(_logits(f32, tokens), _logits(src, tokens))
   meta = json.load(open(tmp_path / "f32" / "config.json"))
@@ -117,7 +118,7 @@ def test_export_errors(tiny_checkpoints, tmp_path):
   meta["config"]["model"]["embed_dim"] *= 2
   json.dump(meta, open(out / "config.json", "w"))
   with pytest.raises(params_only.ParamsFileError, match="has shape"):
-    builder.load(str(out))
+    checkpoints.load(str(out))
   os.remove(out / "tokenizer.model")
   with pytest.raises(params_only.ParamsFileError, match="lacks tokenizer.model"):
-    builder.load(str(out))
+    checkpoints.load(str(out))

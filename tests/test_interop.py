@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config
-from mdlm_jax import builder, interop, packaged, params_only, safetensors
-from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.checkpoints import interop, packaged, params_only, safetensors
+from mdlm_jax import checkpoints
+from mdlm_jax.model.spec import bind, model_spec
+from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model import ModelConfig
-from mdlm_jax.tokenizer import Tokenizer
+from mdlm_jax.data.tokenizer import Tokenizer
 
 # GQA (4 query heads on 2 kv heads), q/k/v biases and an untied head: every option the layouts need.
 GQA = dict(num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=48, qkv_bias=True,
@@ -34,7 +36,7 @@ def make(tok, seed=0, **model):
   c.model.update(**{**GQA, **model})
   c.data.update(seq_len=32, tokenizer_vocab_size=tok.vocab_size)
   cfg = ModelConfig.from_config(c.model, vocab_size=tok.vocab_size)
-  spec = builder.model_spec(cfg, None)
+  spec = model_spec(cfg, None)
   rng = np.random.default_rng(seed)
 
   def leaf(path, x):
@@ -51,18 +53,18 @@ def flat(params):
 
 
 def logits(loaded_or_spec, params, tokens):
-  return np.asarray(builder.bind(loaded_or_spec, params)(jnp.asarray(tokens)))
+  return np.asarray(bind(loaded_or_spec, params)(jnp.asarray(tokens)))
 
 
 @pytest.mark.parametrize("fmt", interop.FORMATS)
 def test_round_trip_is_exact(fmt, tok, tmp_path):
-  """export -> builder.load of the folder -> import -> native: every parameter bit-identical."""
+  """export -> checkpoints.load of the folder -> import -> native: every parameter bit-identical."""
   c, params = make(tok)
   out = interop.save(str(tmp_path / fmt), fmt, params, c, tok, step=7, dtype="float32")
   hf = json.load(open(os.path.join(out, "config.json")))
   assert hf["mask_token_id"] == tok.mask_id and hf["eos_token_id"] == tok.eos_id
   assert json.load(open(os.path.join(out, "tokenizer_config.json")))["mask_token"] == "[MASK]"
-  loaded = builder.load(out)  # reads the Hugging Face layout directly
+  loaded = checkpoints.load(out)  # reads the Hugging Face layout directly
   assert loaded.step == 7 and loaded.spec.cfg == ModelConfig.from_config(c.model, vocab_size=tok.vocab_size)
   want = flat(params)
   got = flat(loaded.params)
@@ -71,7 +73,7 @@ def test_round_trip_is_exact(fmt, tok, tmp_path):
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
   from mdlm_jax import export
   export.main(["--import", f"--checkpoint={out}", f"--out={tmp_path / 'native'}", "--dtype=float32"])
-  back = builder.load(str(tmp_path / "native"))
+  back = checkpoints.load(str(tmp_path / "native"))
   assert back.config.diffusion.to_dict() == c.diffusion.to_dict()
   for k, v in flat(back.params).items():
     np.testing.assert_array_equal(v, want[k], err_msg=k)
@@ -84,10 +86,10 @@ def test_dream_tied_and_bias_free_model(tok, tmp_path):
   out = interop.save(str(tmp_path / "d"), "dream", params, c, tok, step=0, dtype="float32")
   tensors, _ = safetensors.load_folder(out)
   assert not tensors["model.layers.1.self_attn.k_proj.bias"].any()
-  loaded = builder.load(out)
+  loaded = checkpoints.load(out)
   assert not loaded.spec.cfg.qkv_bias and not loaded.spec.cfg.tie_embeddings
   tokens = np.random.default_rng(0).integers(0, tok.vocab_size, (2, 12))
-  spec = builder.model_spec(ModelConfig.from_config(c.model, vocab_size=tok.vocab_size), None)
+  spec = model_spec(ModelConfig.from_config(c.model, vocab_size=tok.vocab_size), None)
   np.testing.assert_allclose(logits(loaded.spec, loaded.params, tokens), logits(spec, params, tokens),
                              rtol=1e-5, atol=1e-5)
 
@@ -98,7 +100,7 @@ def test_llada_tied_model_round_trips_tied(tok, tmp_path):
   out = interop.save(str(tmp_path / "l"), "llada", params, c, tok, step=0, dtype="float32")
   hf = json.load(open(os.path.join(out, "config.json")))
   assert hf["weight_tying"] and hf["scale_logits"]
-  loaded = builder.load(out)
+  loaded = checkpoints.load(out)
   assert loaded.spec.cfg.tie_embeddings
   for k, v in flat(loaded.params).items():
     np.testing.assert_array_equal(v, flat(params)[k])
@@ -107,7 +109,7 @@ def test_llada_tied_model_round_trips_tied(tok, tmp_path):
 def test_sharded_export_and_native_alias(tok, tmp_path, tiny_checkpoints):
   """--max-shard-size splits the weights into HF-named shards plus an index, for every format."""
   from mdlm_jax import export
-  src = builder.load(tiny_checkpoints["mdlm"])
+  src = checkpoints.load(tiny_checkpoints["mdlm"])
   for fmt in ("params", "llada", "dream"):
     out = tmp_path / fmt
     export.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={out}", f"--format={fmt}",
@@ -120,7 +122,7 @@ def test_sharded_export_and_native_alias(tok, tmp_path, tiny_checkpoints):
     assert set(index["weight_map"].values()) == set(shards)
     for f in shards:  # under the limit, or one tensor that is larger by itself
       assert os.path.getsize(out / f) < 41_000 or list(index["weight_map"].values()).count(f) == 1, f
-    loaded = builder.load(str(out))
+    loaded = checkpoints.load(str(out))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, src.tokenizer.vocab_size, (2, 16)))
     np.testing.assert_allclose(np.asarray(loaded.model(tokens)), np.asarray(src.model(tokens)),
                                rtol=2e-5, atol=2e-5)
@@ -146,14 +148,14 @@ def test_errors_name_the_problem(tok, tmp_path):
   missing = broken("missing", lambda d: safetensors.save(
       str(d / "model.safetensors"), {k: v for k, v in tensors.items() if "blocks.1.up_proj" not in k}))
   with pytest.raises(interop.InteropError, match=r"tensor model.transformer.blocks.1.up_proj.weight is missing"):
-    builder.load(missing)
+    checkpoints.load(missing)
   shape = broken("shape", lambda d: safetensors.save(
       str(d / "model.safetensors"), {**tensors, "model.transformer.blocks.0.k_proj.weight": np.zeros((32, 32))}))
   with pytest.raises(interop.InteropError, match=r"k_proj.weight has shape \(32, 32\), config.json gives \(16, 32\)"):
-    builder.load(shape)
+    checkpoints.load(shape)
   extra = broken("extra", lambda d: safetensors.save(str(d / "model.safetensors"), {**tensors, "x.y": np.ones(2)}))
   with pytest.raises(interop.InteropError, match=r"unexpected tensors \['x.y'\]"):
-    builder.load(extra)
+    checkpoints.load(extra)
 
   with pytest.raises(interop.InteropError, match="has no tokenizer.model or tokenizer.json; pass --tokenizer=PATH"):
     interop.read(broken("notok", lambda d: os.remove(d / "tokenizer.model")))
@@ -162,7 +164,7 @@ def test_errors_name_the_problem(tok, tmp_path):
     hf = json.load(open(d / "config.json"))
     json.dump({**hf, "activation_type": "gelu"}, open(d / "config.json", "w"))
   with pytest.raises(interop.InteropError, match="activation_type='gelu' is not supported"):
-    builder.load(broken("option", option))
+    checkpoints.load(broken("option", option))
   c_t, params_t = make(tok, time_conditioning=True)
   with pytest.raises(interop.InteropError, match="model.time_conditioning"):
     interop.save(str(tmp_path / "t"), "llada", params_t, c_t, tok, step=0)
@@ -188,8 +190,8 @@ def test_gqa_kv_cache_holds_only_kv_heads(tok):
   c, params = make(tok)
   c.model.causal = True
   cfg = ModelConfig.from_config(c.model, vocab_size=tok.vocab_size)
-  spec = builder.model_spec(cfg, None)
-  model = builder.bind(spec, params)
+  spec = model_spec(cfg, None)
+  model = bind(spec, params)
   cache = KVCache.init(cfg, 2, 12)
   assert cache.k.shape == (2, 2, 2, 8, 12)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, tok.vocab_size, (2, 12)))
@@ -258,7 +260,7 @@ def test_logits_match_transformers(fmt, tok, tmp_path):
   c, params = make(tok, seed=3)
   out = interop.save(str(tmp_path / fmt), fmt, params, c, tok, step=0, dtype="float32")
   tokens = np.random.default_rng(4).integers(0, tok.vocab_size, (2, 24))
-  loaded = builder.load(out)
+  loaded = checkpoints.load(out)
   ours = logits(loaded.spec, loaded.params, tokens)
   theirs = _torch_logits(fmt, out, tokens)
   assert ours.shape == theirs.shape
@@ -297,7 +299,7 @@ def hf_json():
 
 @pytest.fixture(scope="module")
 def hf_tok(hf_json):
-  from mdlm_jax.hf_tokenizer import HFTokenizer
+  from mdlm_jax.data.hf_tokenizer import HFTokenizer
   return HFTokenizer(hf_json, {"mask_token_id": 2, "bos_token_id": 1, "eos_token_id": 0, "vocab_size": HF_ROWS})
 
 
@@ -323,8 +325,8 @@ def test_hf_tokenizer_matches_tokenizers(hf_tok, hf_json):
   import pickle
 
   import tokenizers
-  from mdlm_jax import tokenizer as tokenizer_lib
-  from mdlm_jax.hf_tokenizer import HFTokenizer
+  from mdlm_jax.data import tokenizer as tokenizer_lib
+  from mdlm_jax.data.hf_tokenizer import HFTokenizer
   ref = tokenizers.Tokenizer.from_str(hf_json)
   assert (hf_tok.vocab_size, hf_tok.mask_id, hf_tok.bos_id, hf_tok.eos_id, hf_tok.pad_id) == (HF_ROWS, 2, 1, 0, 0)
   assert hf_tok.piece(2) == "<|mdm_mask|>" and hf_tok.piece(HF_ROWS - 1) == ""
@@ -344,11 +346,11 @@ def test_hf_tokenizer_matches_tokenizers(hf_tok, hf_json):
 
 
 def test_published_llada_folder_loads_samples_and_imports(hf_tok, hf_json, tmp_path):
-  """builder.load reads a tokenizer.json folder; the sample CLI runs on it; --import gives a native
+  """checkpoints.load reads a tokenizer.json folder; the sample CLI runs on it; --import gives a native
   folder (tokenizer.json + ids in config.json) with identical params and tokenizer; export writes it back."""
   from mdlm_jax import export
   c, params, out = published_llada(hf_tok, hf_json, tmp_path / "llada")
-  loaded = builder.load(out)
+  loaded = checkpoints.load(out)
   assert loaded.tokenizer.to_bytes() == hf_tok.to_bytes()  # BOS found through tokenizer_config.json
   want = flat(params)
   for k, v in flat(loaded.params).items():
@@ -363,7 +365,7 @@ def test_published_llada_folder_loads_samples_and_imports(hf_tok, hf_json, tmp_p
   assert sorted(os.listdir(native)) == ["config.json", "model.safetensors", "tokenizer.json"]
   meta = json.load(open(native / "config.json"))
   assert meta["version"] == 2 and meta["tokenizer"] == {"file": "tokenizer.json", **hf_tok.meta()}
-  back = builder.load(str(native))
+  back = checkpoints.load(str(native))
   assert back.tokenizer.to_bytes() == hf_tok.to_bytes()
   for text in HF_TEXTS:
     assert back.tokenizer.encode(text) == hf_tok.encode(text)
@@ -374,7 +376,7 @@ def test_published_llada_folder_loads_samples_and_imports(hf_tok, hf_json, tmp_p
   export.main([f"--checkpoint={native}", f"--out={again}", "--format=dream", "--dtype=float32"])
   assert (again / "tokenizer.json").read_text() == hf_json
   assert json.load(open(again / "tokenizer_config.json"))["mask_token"] == "<|mdm_mask|>"
-  assert builder.load(str(again)).tokenizer.to_bytes() == hf_tok.to_bytes()
+  assert checkpoints.load(str(again)).tokenizer.to_bytes() == hf_tok.to_bytes()
 
 
 def test_published_folder_tokenizer_errors(hf_tok, hf_json, tmp_path):
@@ -392,11 +394,11 @@ def test_published_folder_tokenizer_errors(hf_tok, hf_json, tmp_path):
 
   no_mask = variant("no_mask", {k: v for k, v in hf.items() if k != "mask_token_id"})
   with pytest.raises(interop.InteropError, match="no mask_token_id in config.json"):
-    builder.load(no_mask)
+    checkpoints.load(no_mask)
   with pytest.raises(interop.InteropError, match=f"mask_token_id=999 is outside the vocab \\[0, {HF_ROWS}\\)"):
-    builder.load(variant("big_mask", {**hf, "mask_token_id": 999}))
+    checkpoints.load(variant("big_mask", {**hf, "mask_token_id": 999}))
   with pytest.raises(interop.InteropError, match="tokenizer.json: not a Hugging Face tokenizer.json"):
-    builder.load(variant("garbled", tokenizer_json='{"model": '))
+    checkpoints.load(variant("garbled", tokenizer_json='{"model": '))
   r = _run_export("--import", f"--checkpoint={no_mask}", f"--out={tmp_path / 'x'}")
   assert r.returncode != 0 and "no mask_token_id" in r.stderr and "Traceback" not in r.stderr
   assert not (tmp_path / "x").exists()

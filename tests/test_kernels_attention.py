@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdlm_jax import block_diffusion, kernels
+from mdlm_jax import kernels
+from mdlm_jax.diffusion import bd3
 from mdlm_jax.kernels import AttentionMask, BlockSizes
 from mdlm_jax.kernels.masks import kv_tile_range, q_tile_range
 
@@ -159,7 +160,7 @@ def test_tile_ranges_cover_every_allowed_tile(kind):
 def test_block_diffusion_mask_equals_training_mask():
   for l, bs in [(8, 2), (12, 4), (6, 6)]:
     dense = np.asarray(AttentionMask(kind="block_diffusion", block_size=bs).dense(2 * l, 2 * l))[0, 0]
-    np.testing.assert_array_equal(dense, block_diffusion.block_attention_mask(l, bs))
+    np.testing.assert_array_equal(dense, bd3.block_attention_mask(l, bs))
 
 
 def test_mask_validation():
@@ -196,7 +197,7 @@ def test_dispatch_falls_back_to_the_reference():
 @pytest.mark.slow
 def test_dispatch_under_a_mesh_runs_per_shard():
   """shard_map over the mesh's batch (data) and head (tensor) axes, 4 CPU devices."""
-  from mdlm_jax import sharding
+  from mdlm_jax.parallel import sharding
   import ml_collections
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 1, "tensor": 2}))
   rng = np.random.default_rng(fresh_seed())

@@ -10,8 +10,8 @@ import pytest
 
 from mdlm_jax import kernels
 from mdlm_jax.kernels import HeadBlockSizes, HeadInput, HeadSettings
-from mdlm_jax.sampling.gumbel import column_words, gumbel_argmax
-from mdlm_jax.sampling.samplers import propose
+from mdlm_jax.sampling import rule
+from mdlm_jax.sampling.gumbel import gumbel_argmax
 
 
 def rand_head(seed, b=2, t=5, d=16, v=50):
@@ -62,20 +62,20 @@ def test_head_dispatch_on_cpu_is_the_reference():
 def test_propose_with_head_input_on_cpu_is_the_logits_path():
   """Where no kernel runs, the samplers' fused-head path materialises the logits: same samples, bit for bit."""
   hidden, w, _ = rand_head(2)
-  key = jax.random.key(3)
+  keys, cols = rule.row_keys(3 + jnp.arange(hidden.shape[0])), jnp.arange(hidden.shape[1])
   for impl in ("xla", "pallas"):
-    a = propose(key, HeadInput(hidden, w, impl), 0, 0.9)
-    b = propose(key, HeadInput(hidden, w).logits(), 0, 0.9)
+    a = rule.propose(HeadInput(hidden, w, impl), keys, cols, 0, 0.9)
+    b = rule.propose(HeadInput(hidden, w).logits(), keys, cols, 0, 0.9)
     for x, y in zip(a, b):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_propose_with_an_interpreted_fused_head():
-  """The kernel path of `propose`: the float32 Gumbel-max of the same column-keyed bits."""
+  """The kernel path of `rule.propose`: the float32 Gumbel-max of the same row- and column-keyed bits."""
   hidden, w, _ = rand_head(4)
-  key, cols = jax.random.key(5), jnp.arange(5) + 7
-  x0, conf = jax.jit(lambda h: propose(key, HeadInput(h, w, "pallas_interpret"), 0, 0.9, cols))(hidden)
-  bits = column_words(key, 2, w.shape[1], cols)[0]
+  keys, cols = rule.row_keys(5 + jnp.arange(hidden.shape[0])), jnp.arange(hidden.shape[1]) + 7
+  x0, conf = jax.jit(lambda h: rule.propose(HeadInput(h, w, "pallas_interpret"), keys, cols, 0, 0.9))(hidden)
+  bits = rule.noise_words(keys, cols, w.shape[1])[0]
   want = materialised(hidden, w, bits, 0.9, 0)
   np.testing.assert_array_equal(np.asarray(x0), np.asarray(want[0]))
   np.testing.assert_allclose(np.asarray(conf), np.asarray(want[1]), rtol=2e-6, atol=2e-6)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mdlm_jax import objectives
+from mdlm_jax.diffusion import objectives
 from mdlm_jax.diffusion import Schedule
-from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.samplers import Layout, ThresholdSampler, block_causal_mask
 from test_model import make, random_tokens
 
@@ -98,8 +99,8 @@ def cached_samples(model, fused_head=False):
       return KVCache.init(model.cfg, batch, max_len)
 
   sampler = ThresholdSampler(block_size=bs, kv_cache=True, temperature=1.0, fused_head=fused_head)
-  run = jax.jit(lambda tokens, key: sampler.run(Denoiser(), tokens, valid, key, lay, False, None)["tokens"])
-  out = np.asarray(run(tokens, jax.random.key(8)))
+  run = jax.jit(lambda tokens, keys: sampler.run(Denoiser(), tokens, valid, keys, lay, False, None)["tokens"])
+  out = np.asarray(run(tokens, rule.row_keys(8 + jnp.arange(b))))
   assert (out[:, gs:gs + bs] != 0).all()  # the first block is always decoded
   return out
 

@@ -9,9 +9,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from mdlm_jax import sharding
-from mdlm_jax.builder import bind, model_spec
-from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.parallel import sharding
+from mdlm_jax.model.spec import bind, model_spec
+from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model import ModelConfig
 
 BASE = dict(vocab_size=50, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, cond_dim=16)

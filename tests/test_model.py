@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mdlm_jax import layers
+from mdlm_jax.model import layers
 from mdlm_jax.model import ModelConfig, Transformer, count_params
-from mdlm_jax.sharding import logical_to_spec
+from mdlm_jax.parallel.sharding import logical_to_spec
 
 rope = jax.jit(layers.rope, static_argnames="theta")
 

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 
 from conftest import REPO
-from mdlm_jax import builder, packaged, params_only
+from mdlm_jax.checkpoints import packaged, params_only
+from mdlm_jax import checkpoints
 
 
 def test_packaged_pair_loads_and_matches():
@@ -18,7 +19,7 @@ def test_packaged_pair_loads_and_matches():
     path = packaged.path(name)
     total += sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
   assert total <= 60 * 2**20
-  diffusion, ar = builder.load(packaged.path(packaged.DIFFUSION)), builder.load(packaged.path(packaged.AR))
+  diffusion, ar = checkpoints.load(packaged.path(packaged.DIFFUSION)), checkpoints.load(packaged.path(packaged.AR))
   assert diffusion.tokenizer.to_bytes() == ar.tokenizer.to_bytes()
   assert diffusion.config.diffusion.block_size > 0 and not diffusion.spec.cfg.causal
   assert ar.spec.cfg.causal and ar.config.objective == "ar"

@@ -12,9 +12,9 @@ from conftest import REPO, load_config
 def test_llada_8b_on_256_abstract_devices():
   """The 8B train step lowers for a 256-device FSDP mesh without allocating a
   single 8B array; params, Adam state and gradients are 1/256 each."""
-  from mdlm_jax import plan
+  from mdlm_jax.training import memory_plan
   c = load_config("llada_8b")
-  p = plan.plan_one(c, {"data": 1, "fsdp": 256, "tensor": 1}, batch=1280, accum=1, rules="fsdp", platform="tpu",
+  p = memory_plan.plan_one(c, {"data": 1, "fsdp": 256, "tensor": 1}, batch=1280, accum=1, rules="fsdp", platform="tpu",
                     compile_=False)
   d, m, v, n = 4096, 12288, 126464, 32
   n_params = 2 * v * d + n * (4 * d * d + 3 * d * m + 2 * d) + d

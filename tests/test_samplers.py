@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from mdlm_jax import sharding
-from mdlm_jax.builder import LoadedModel, init_params, model_spec
+from mdlm_jax.parallel import sharding
+from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.model.spec import init_params, model_spec
 from mdlm_jax.model import ModelConfig
+from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.canvas import make_canvas
 from mdlm_jax.sampling.generate import Generator, truncate_at_stop
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout, LowConfidenceSampler, ThresholdSampler
-from mdlm_jax.tokenizer import Tokenizer
+from mdlm_jax.data.tokenizer import Tokenizer
 
 SAMPLERS = [
     AncestralSampler(steps=12, temperature=1.0),
@@ -62,7 +64,7 @@ def test_invariants(generator, sampler):
   canvas = make_canvas(ids, 24, mask_id=tok.mask_id, pad_id=tok.pad_id, suffixes=[tok.encode(s) for s in suffixes])
   layout = Layout(canvas.gen_start, canvas.gen_len, tok.mask_id, tok.eos_id)
   out = generator._run(generator.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
-                       jnp.asarray(canvas.positions), jax.random.PRNGKey(0), sampler=sampler, layout=layout,
+                       jnp.asarray(canvas.positions), rule.row_keys(jnp.arange(2)), sampler=sampler, layout=layout,
                        record=True)
   out = jax.device_get(out)
   final = out["tokens"]
@@ -122,7 +124,7 @@ def test_threshold_floor_commits_min_tokens_per_pass(min_tokens, steps):
   target = jnp.full((1, 18), 9, jnp.int32)
   lay = Layout(gen_start=2, gen_len=16, mask_id=mask_id, eos_id=eos_id)
   out = ThresholdSampler(threshold=1.0, min_tokens=min_tokens, block_size=8).run(
-      _fake_denoise(target, vocab), tokens, jnp.ones((1, 18), bool), jax.random.PRNGKey(0), lay, record=True)
+      _fake_denoise(target, vocab), tokens, jnp.ones((1, 18), bool), rule.row_keys(jnp.zeros(1)), lay, record=True)
   assert int(out["steps"]) == steps
   drafts = np.asarray(out["drafts"][:int(out["num_drafts"])])
   masks = [int((d == mask_id).sum()) for d in drafts]
@@ -144,7 +146,7 @@ def test_block_decoding_stops_rows_at_eos():
   target = jnp.full((1, 16), 9, jnp.int32).at[0, 7].set(eos_id)
   lay = Layout(gen_start=2, gen_len=14, mask_id=mask_id, eos_id=eos_id)
   out = LowConfidenceSampler(steps=2, block_size=4).run(_fake_denoise(target, vocab), tokens, valid,
-                                                        jax.random.PRNGKey(0), lay)
+                                                        rule.row_keys(jnp.zeros(1)), lay)
   # Blocks [2,6) and [6,10) are decoded; EOS at column 7 ends the row there.
   assert int(out["steps"]) == 4
   np.testing.assert_array_equal(np.asarray(out["tokens"][0, 2:10]), np.asarray(target[0, 2:10]))
@@ -179,12 +181,13 @@ def test_same_tokens_on_a_4_device_mesh(tiny_config, tmp_path):
   """Params sharded by the training rules, rows over 'data': same samples."""
   if len(jax.devices()) < 4:
     pytest.skip("needs 4 host devices")
-  from mdlm_jax import builder, trainer
+  from mdlm_jax.training import trainer
+  from mdlm_jax import checkpoints
   tiny_config.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
   trainer.train(tiny_config, str(tmp_path))
-  one = Generator(builder.load(str(tmp_path)))
+  one = Generator(checkpoints.load(str(tmp_path)))
   mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 2, "fsdp": 1, "tensor": 2}))
-  four = Generator(builder.load(str(tmp_path), mesh=mesh), mesh=mesh)
+  four = Generator(checkpoints.load(str(tmp_path), mesh=mesh), mesh=mesh)
   wqkv = four.loaded.params["blocks"][0]["attn"]["wqkv"]  # decoded from [q/k/v heads, kv, embed] on CPU
   assert four.loaded.spec.cfg.weight_layout == "out_in"
   assert wqkv.sharding.spec == jax.sharding.PartitionSpec("tensor", None, "fsdp")
@@ -226,23 +229,49 @@ def test_kv_cached_blocks_equal_uncached_block_causal(request, which, sampler):
   # One prefill and one pass per step: a finished block is encoded into the
   # cache by the first pass of the next block.
   assert cached.forward_passes == cached.steps  # the prompt rides along with the first block
-  with pytest.raises(ValueError, match="cannot see a suffix"):
-    generator.generate(prompts, max_new_tokens=8, sampler=dataclasses.replace(sampler, kv_cache=True),
+  with pytest.raises(ValueError, match="uncached block-causal decoding cannot see a suffix"):
+    generator.generate(prompts, max_new_tokens=8, sampler=dataclasses.replace(sampler, block_causal=True),
                        suffixes=["x", "y"])
+
+
+def test_cached_infilling_reads_the_suffix(generator):
+  """Cached infilling keeps max_new_tokens, and a block's logits read the
+  suffix encoded into the cache at the positions after the middle."""
+  sampler = ThresholdSampler(threshold=1.0, min_tokens=1, block_size=8, kv_cache=True)
+  out = generator.generate(["def f(x):\n"], max_new_tokens=11, sampler=sampler, suffixes=["\n    return x\n"])
+  assert len(out.completions[0].tokens) <= 11
+  # The logits of a block read the suffix: compare the first pass's proposals directly.
+  tok = generator.tok
+  from mdlm_jax.model.kv_cache import KVCache
+  model = generator.loaded.model
+  prompt = generator.encode_prompt("def f(x):\n")
+  blk = [tok.mask_id] * 8
+  def first_logits(suffix_ids):
+    toks = jnp.asarray([suffix_ids + prompt + blk], jnp.int32)
+    pos = jnp.asarray([[len(prompt) + 8 + i for i in range(len(suffix_ids))] + list(range(len(prompt) + 8))],
+                      jnp.int32)
+    cache = KVCache.init(model.cfg, 1, toks.shape[1])
+    logits, _ = model.forward_cached(toks, pos, cache, commit=True, commit_len=len(suffix_ids) + len(prompt),
+                                     new_block=8)
+    return np.asarray(logits)
+  a, b = first_logits(tok.encode("return 1")), first_logits(tok.encode("class Z:"))
+  assert not np.allclose(a, b)
 
 
 def test_presets_adapt_to_block_diffusion_models():
   from mdlm_jax.sampling.presets import PRESETS, adapt_to_model, sampler_for
   medium = sampler_for("medium")
-  assert medium == PRESETS["medium"] and not medium.kv_cache
+  assert medium == PRESETS["medium"] and medium.kv_cache and medium.block_size == 32
   bd3 = adapt_to_model(medium, 16)
   assert bd3.block_size == 16 and bd3.kv_cache and bd3.threshold == medium.threshold
   assert adapt_to_model(medium, 0) == medium
+  full = sampler_for("medium", kv_cache=False)
+  assert adapt_to_model(full, 16) == full  # full-canvas passes keep their blocks
   assert adapt_to_model(AncestralSampler(), 16) == AncestralSampler()
   assert sampler_for("high", min_tokens=3).min_tokens == 3
   with pytest.raises(ValueError, match="--steps does not apply"):
     sampler_for("high", steps=8)
-  with pytest.raises(ValueError, match="--min-tokens must be >= 1"):
+  with pytest.raises(ValueError, match="min_tokens must be >= 1"):
     sampler_for("medium", min_tokens=0)
   with pytest.raises(ValueError, match="unknown effort"):
     sampler_for("max")

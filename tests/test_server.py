@@ -140,7 +140,10 @@ def test_errors_have_the_openai_shape(server, client):
   _error(base, "GET", "/v1/nothing", 404)
   _error(base, "POST", "/v1/chat/completions", 413, content=b"x" * (1 << 21))
   long = {**ok, "messages": [{"role": "user", "content": "word " * 400}]}
-  assert _error(base, "POST", "/v1/chat/completions", 422, json=long)["code"] == "context_length_exceeded"
+  err = _error(base, "POST", "/v1/chat/completions", 400, json=long)  # as OpenAI and vLLM answer it
+  assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
+  fim = {"model": "tiny", "prompt": "def f():\n", "suffix": "word " * 400, "max_tokens": 8}
+  assert _error(base, "POST", "/v1/fim/completions", 400, json=fim)["code"] == "context_length_exceeded"
   with pytest.raises(openai.BadRequestError):
     _chat(client, max_tokens=10_000)
   assert httpx.get(base + "/health").json()["status"] == "ok"  # none of it hurt the server
@@ -241,19 +244,23 @@ def test_turns_survive_the_broadcast_encoding():
 
   from mdlm_jax.engine.engine import Request, Turn, _decode, _encode
   from mdlm_jax.engine.slots import SlotConfig
+  from mdlm_jax.sampling.samplers import ThresholdSampler
   sc = SlotConfig(num_slots=4, block_size=8, max_prompt=16, max_new_tokens=32, mask_id=3, eos_id=2)
   rng = np.random.default_rng(0)
-  admits = [(row, Request(rng.integers(0, 100, size=n).tolist(), 24, threshold=0.7, min_tokens=2,
-                          temperature=0.5, top_p=0.9, seed=10 ** 12, stop=("x",)),
+  sampler = ThresholdSampler(threshold=0.7, min_tokens=2, temperature=0.5, top_p=0.9, block_size=8, kv_cache=True)
+  admits = [(row, Request(rng.integers(0, 100, size=n).tolist(), 24, sampler, seed=10 ** 12, stop=("x",),
+                          suffix_ids=rng.integers(0, 100, size=s).tolist()),
              rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32))
-            for row, n in ((2, 16), (0, 1))]
+            for row, n, s in ((2, 16, 0), (0, 1, 5))]
   turn = Turn(release=[1, 3], admits=admits, rows=4, with_head=True)
   back = _decode(_encode(turn, sc), sc)
   assert (back.stop, back.release, back.rows, back.with_head) == (False, [1, 3], 4, True)
   for (row, r, key), (row2, r2, key2) in zip(turn.admits, back.admits, strict=True):
     assert row2 == row and list(r2.prompt_ids) == list(r.prompt_ids) and r2.max_tokens == r.max_tokens
-    assert r2.min_tokens == r.min_tokens and np.float32(r2.threshold) == np.float32(r.threshold)
-    assert np.float32(r2.temperature) == np.float32(r.temperature) and np.float32(r2.top_p) == np.float32(r.top_p)
+    assert list(r2.suffix_ids) == list(r.suffix_ids)
+    a, b = r.sampler, r2.sampler
+    assert b.min_tokens == a.min_tokens and np.float32(b.threshold) == np.float32(a.threshold)
+    assert np.float32(b.temperature) == np.float32(a.temperature) and np.float32(b.top_p) == np.float32(a.top_p)
     np.testing.assert_array_equal(key2, key)
   assert _decode(_encode(Turn(stop=True), sc), sc).stop
 
@@ -261,10 +268,11 @@ def test_turns_survive_the_broadcast_encoding():
 def test_queue_full_is_429_and_shutdown_is_503(tiny_checkpoints):
   from fastapi.testclient import TestClient
 
-  from mdlm_jax import builder
+  from mdlm_jax import checkpoints
   from mdlm_jax.engine.engine import Engine
   from mdlm_jax.server.app import create_app
-  engine = Engine(builder.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=64, max_new_tokens=48, max_queue=0)
+  engine = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=64, max_new_tokens=48, block_size=8,
+                  max_queue=0)
   app = create_app(engine, model_id="tiny")
   http = TestClient(app)
   body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}

@@ -8,8 +8,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from mdlm_jax import diffusion, objectives, sharding, trainer
-from mdlm_jax.builder import init_params, model_spec
+from mdlm_jax import diffusion
+from mdlm_jax.diffusion import objectives
+from mdlm_jax.parallel import sharding
+from mdlm_jax.training import trainer
+from mdlm_jax.model.spec import init_params, model_spec
 from mdlm_jax.model import ModelConfig
 
 CFG = ModelConfig(vocab_size=97, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, time_conditioning=True,

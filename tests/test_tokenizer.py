@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mdlm_jax import data
-from mdlm_jax.tokenizer import MASK_PIECE, Tokenizer, train_tokenizer
+from mdlm_jax.data.tokenizer import MASK_PIECE, Tokenizer, train_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Real sources with unicode (shlex, re/_casefix), long docstrings and tables.

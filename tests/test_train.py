@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mdlm_jax import builder, checkpoint, trainer
+from mdlm_jax.checkpoints import checkpointer
+from mdlm_jax.training import trainer
+from mdlm_jax import checkpoints
 
 
 def read_metrics(workdir):
@@ -38,12 +40,12 @@ def test_loss_falls(tiny_config, tmp_path, objective):
   assert np.isfinite(out["eval"]["nats_per_token"])
   assert out["eval"]["bound"] == (objective == "mdlm")
   assert os.path.exists(tmp_path / "loss.png")
-  assert checkpoint.resolve(str(tmp_path))[1] == 60
+  assert checkpointer.resolve(str(tmp_path))[1] == 60
 
 
 def _final_params(workdir):
-  loaded = builder.load(workdir, use_ema=False)
-  ema = builder.load(workdir, use_ema=True)
+  loaded = checkpoints.load(workdir, use_ema=False)
+  ema = checkpoints.load(workdir, use_ema=True)
   return jax.tree.leaves(loaded.params), jax.tree.leaves(ema.params)
 
 
@@ -60,7 +62,7 @@ def _run_cli(workdir, tok, steps, extra=(), wait=True):
 def _wait_for_checkpoint(workdir, proc, timeout=180):
   deadline = time.time() + timeout
   while time.time() < deadline:
-    if checkpoint._steps(os.path.join(workdir, "checkpoints")):
+    if checkpointer.saved_steps(os.path.join(workdir, "checkpoints")):
       return
     if proc.poll() is not None:
       raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
@@ -83,7 +85,7 @@ def test_kill_and_resume_is_exact(tiny_tokenizer_path, tmp_path, how):
   _wait_for_checkpoint(str(run), proc)
   proc.send_signal(how)
   out = proc.communicate(timeout=120)[0]
-  saved = checkpoint._steps(os.path.join(run, "checkpoints"))
+  saved = checkpointer.saved_steps(os.path.join(run, "checkpoints"))
   if how == signal.SIGINT:
     assert proc.returncode == 0, out
     assert "saved checkpoint at step" in out
@@ -109,7 +111,7 @@ def test_resume_rejects_a_different_model(tiny_config, tmp_path):
   trainer.train(c, str(tmp_path))
   c.model.embed_dim = 96
   c.train.num_steps = 4
-  with pytest.raises(checkpoint.CheckpointError, match="model.embed_dim"):
+  with pytest.raises(checkpointer.CheckpointError, match="model.embed_dim"):
     trainer.train(c, str(tmp_path))
 
 
@@ -117,13 +119,13 @@ def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_
   """train.init_from: the AR twin's weights (EMA) become step 0 of an MDLM run,
   with its tokenizer; a different network shape is refused by parameter name."""
   from conftest import load_config
-  src = builder.load(tiny_checkpoints["ar"])
+  src = checkpoints.load(tiny_checkpoints["ar"])
   c = load_config("tiny")
   c.train.update(num_steps=1, checkpoint_every=1, log_every=1, eval_batches=1,
                  init_from=tiny_checkpoints["ar"])
   c.optim.update(learning_rate=1e-9, warmup_steps=0, ema_decay=0.0)
   trainer.train(c, str(tmp_path / "adapted"))
-  got = builder.load(str(tmp_path / "adapted"))
+  got = checkpoints.load(str(tmp_path / "adapted"))
   assert got.tokenizer.to_bytes() == src.tokenizer.to_bytes()
   assert not got.spec.cfg.causal and src.spec.cfg.causal
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(src.params)):

@@ -5,14 +5,16 @@ import jax
 import numpy as np
 import pytest
 
-from mdlm_jax import builder, packaged
+from mdlm_jax.checkpoints import packaged
+from mdlm_jax import checkpoints
+from mdlm_jax.model.spec import for_decoding, with_weight_layout
 from mdlm_jax.sampling.generate import ARGenerator, Generator
 from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
 
 
 @pytest.fixture(scope="module")
 def diffusion():
-  return builder.load(packaged.path(packaged.DIFFUSION))
+  return checkpoints.load(packaged.path(packaged.DIFFUSION))
 
 
 def _host(params):
@@ -21,13 +23,13 @@ def _host(params):
 
 def test_for_decoding_copies_into_the_cpu_layout_and_back_exactly(diffusion):
   before = _host(diffusion.params)
-  moved = builder.for_decoding(diffusion)
+  moved = for_decoding(diffusion)
   assert moved.spec.cfg.weight_layout == "out_in" and diffusion.spec.cfg.weight_layout == "in_out"
   assert "wqkv" in moved.params["blocks"][0]["attn"] and "wq" in diffusion.params["blocks"][0]["attn"]
   jax.tree.map(np.testing.assert_array_equal, _host(diffusion.params), before)  # the input is untouched
-  back = builder.with_weight_layout(moved, "in_out")
+  back = with_weight_layout(moved, "in_out")
   jax.tree.map(np.testing.assert_array_equal, _host(back.params), before)
-  assert builder.for_decoding(diffusion, "in_out") is diffusion  # already there: no copy
+  assert for_decoding(diffusion, "in_out") is diffusion  # already there: no copy
 
 
 def test_both_layouts_write_the_same_tokens(diffusion):
@@ -36,7 +38,7 @@ def test_both_layouts_write_the_same_tokens(diffusion):
   runs = [Generator(diffusion, weight_layout=layout).generate(prompts, max_new_tokens=32, sampler=sampler)
           for layout in ("in_out", "out_in")]
   assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
-  ar = builder.load(packaged.path(packaged.AR))
+  ar = checkpoints.load(packaged.path(packaged.AR))
   runs = [ARGenerator(ar, weight_layout=layout).generate(prompts, max_new_tokens=32) for layout in ("in_out", "out_in")]
   assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
 

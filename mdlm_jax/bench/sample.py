@@ -25,7 +25,7 @@ import sys
 import time
 
 from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
-from mdlm_jax.layers import WEIGHT_LAYOUTS
+from mdlm_jax.model.layers import WEIGHT_LAYOUTS
 
 
 def parse(argv):
@@ -111,7 +111,7 @@ class GenPPL:
     import jax
     import jax.numpy as jnp
     from mdlm_jax import diffusion
-    from mdlm_jax.builder import bind
+    from mdlm_jax.model.spec import bind
     self.loaded = ar_loaded
     spec = ar_loaded.spec
 
@@ -176,8 +176,9 @@ def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1) ->
   4 tokens per pass (KV-cached blocks) against KV-cached AR decoding."""
   import jax
   import ml_collections
-  from mdlm_jax import sharding
-  from mdlm_jax.builder import LoadedModel, init_params, model_spec
+  from mdlm_jax.parallel import sharding
+  from mdlm_jax.checkpoints.loading import LoadedModel
+  from mdlm_jax.model.spec import init_params, model_spec
   from mdlm_jax.model import ModelConfig
   from mdlm_jax.sampling.ar import ARSampler
   from mdlm_jax.sampling.generate import ARGenerator, Generator
@@ -278,13 +279,14 @@ def main(argv):
   a = parse(argv)
   from absl import logging
   logging.set_verbosity(logging.ERROR)
-  from mdlm_jax import builder, cli
-  from mdlm_jax import packaged
+  from mdlm_jax import cli
+  from mdlm_jax import checkpoints
+  from mdlm_jax.checkpoints import packaged
   from mdlm_jax.sampling.generate import ARGenerator, Generator
-  from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
+  from mdlm_jax.sampling import presets
   try:
-    mdlm = builder.load(a.mdlm or packaged.path(packaged.DIFFUSION))
-    ar = builder.load(a.ar or packaged.path(packaged.AR))
+    mdlm = checkpoints.load(a.mdlm or packaged.path(packaged.DIFFUSION))
+    ar = checkpoints.load(a.ar or packaged.path(packaged.AR))
     if mdlm.tokenizer.to_bytes() != ar.tokenizer.to_bytes():
       raise ValueError("the diffusion checkpoint and the AR twin use different tokenizers")
     examples = validation_examples(mdlm, a.num_prompts, a.prompt_tokens, a.new_tokens)
@@ -302,7 +304,7 @@ def main(argv):
   for batch in a.batch_sizes:
     rows = {}
     for effort in a.efforts:
-      sampler = adapt_to_model(sampler_for(effort), block)
+      sampler = presets.for_model(effort, block)  # what the effort means everywhere
       timed = run_setting(dgen, prompts, batch, a.new_tokens, sampler, scorer, repeats=a.repeats)
       rows[effort] = {"sampler": repr(sampler), **timed}
       print(f"batch {batch} {effort}: {json.dumps(rows[effort])}", file=sys.stderr, flush=True)

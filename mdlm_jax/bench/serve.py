@@ -7,7 +7,11 @@ Starts the real server on 127.0.0.1 (uvicorn in this process, engine with
 sending --requests-per-client non-streaming completions in turn (prompts from
 held-out validation code). Reports p50/p95 latency and total tokens/s per
 level, the HTTP overhead at concurrency 1 against calling the engine directly,
-and the throughput gained by batching (highest level against 1). Before the
+and the throughput gained by batching (highest level against 1). Then
+--fim-requests fill-in-the-middle requests (prefix and suffix cut from the
+same held-out code), one after another and then all at once: infilling runs
+in the slots, so the concurrent batch should take a fraction of the time
+(`fim.concurrent_over_sequential`). Before the
 load, it times single passes over 1 slot and over all of them against the
 machine's matmul peak: where one slot's pass already computes near the peak,
 batching cannot multiply throughput (`pass_compute.batching_gain_bound`).
@@ -29,7 +33,7 @@ import time
 
 from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
-from mdlm_jax.layers import WEIGHT_LAYOUTS
+from mdlm_jax.model.layers import WEIGHT_LAYOUTS
 
 
 def parse(argv):
@@ -43,13 +47,14 @@ def parse(argv):
   p.add_argument("--max-tokens", type=int, default=128)
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--effort", default="medium", choices=EFFORTS)
+  p.add_argument("--fim-requests", type=int, default=6, help="FIM requests timed in turn and at once")
   p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
                  help="one weight layout for the engine (default: as the server picks them)")
   add_output_flags(p, "bench_serve.png", "latency/throughput plot")
   a = p.parse_args(argv)
   a.concurrency = positive_ints(p, "--concurrency", a.concurrency)
-  if a.requests_per_client < 1 or a.slots < 1 or a.overhead_pairs < 1:
-    p.error("--requests-per-client, --overhead-pairs and --slots must be positive")
+  if a.requests_per_client < 1 or a.slots < 1 or a.overhead_pairs < 1 or a.fim_requests < 1:
+    p.error("--requests-per-client, --overhead-pairs, --fim-requests and --slots must be positive")
   return a
 
 
@@ -73,20 +78,22 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   import httpx
   import uvicorn
-  from mdlm_jax import builder, cli, packaged
+  from mdlm_jax import cli
+  from mdlm_jax.checkpoints import packaged
+  from mdlm_jax import checkpoints
   from mdlm_jax.bench.sample import validation_prompts
   from mdlm_jax.engine.engine import Engine
   from mdlm_jax.engine.engine import Request as EngineRequest
-  from mdlm_jax.sampling.presets import PRESETS
+  from mdlm_jax.sampling import presets
   from mdlm_jax.server.app import create_app
   from mdlm_jax.server.protocol import Limits
   try:
     path = a.checkpoint or packaged.path()
-    loaded = builder.load(path)
+    loaded = checkpoints.load(path)
     prompts = validation_prompts(loaded, 8, a.prompt_tokens)
   except cli.USER_ERRORS as e:
     cli.fail("bench serve", e)
-  bs = loaded.config.diffusion.get("block_size", 0) or 8
+  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
                   max_queue=4 * max(a.concurrency) * a.requests_per_client,
@@ -102,13 +109,12 @@ def main(argv):
   base = f"http://127.0.0.1:{port}"
   while not server.started:
     time.sleep(0.05)
-  preset = PRESETS[a.effort]
+  sampler = engine.sampler_for(a.effort, temperature=0.0)
 
   def engine_call(i):
-    ids = [loaded.tokenizer.bos_id] + loaded.tokenizer.encode(prompts[i % len(prompts)])
+    ids = engine.encode(prompts[i % len(prompts)])
     t0 = time.perf_counter()
-    done = engine.submit(EngineRequest(ids, a.max_tokens, threshold=preset.threshold, min_tokens=preset.min_tokens,
-                                       seed=i)).result(timeout=600)
+    done = engine.submit(EngineRequest(ids, a.max_tokens, sampler, seed=i)).result(timeout=600)
     return time.perf_counter() - t0, done.completion_tokens
 
   http = httpx.Client(timeout=600)
@@ -156,6 +162,8 @@ def main(argv):
   if "1" in levels:
     top = str(max(a.concurrency))
     result["throughput_gain"] = levels[top]["tokens_per_s"] / levels["1"]["tokens_per_s"]
+  result["fim"] = fim_timing(http, base, prompts, a)
+  print(f"fim: {json.dumps(result['fim'])}", file=sys.stderr, flush=True)
   server.should_exit = True
   thread.join(timeout=30)
   engine.close(deadline_s=5)
@@ -165,12 +173,36 @@ def main(argv):
   emit(result, a)
 
 
+def fim_timing(http, base: str, prompts, a) -> dict:
+  """Seconds for a.fim_requests FIM requests in turn and all at once."""
+  def call(i):
+    text = prompts[i % len(prompts)]
+    cut = len(text) // 2
+    body = {"model": "bench", "prompt": text[:cut], "suffix": text[cut:], "max_tokens": 32, "seed": i,
+            "reasoning_effort": a.effort, "temperature": 0}
+    r = http.post(base + "/v1/fim/completions", json=body)
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+  call(0)  # the prefill bucket of prefix + suffix compiles here
+  t0 = time.perf_counter()
+  for i in range(a.fim_requests):
+    call(i)
+  sequential = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(a.fim_requests) as pool:
+    list(pool.map(call, range(a.fim_requests)))
+  concurrent_s = time.perf_counter() - t0
+  return {"requests": a.fim_requests, "sequential_s": sequential, "concurrent_s": concurrent_s,
+          "concurrent_over_sequential": concurrent_s / sequential}
+
+
 def pass_compute(engine, slots: int) -> dict:
   """How fast one pass over 1 slot and over `slots` slots computes, against
   the machine's matmul peak. Where a 1-slot pass already runs near the peak
   (compute-bound, as on a small CPU), batching cannot gain much: the bound is
   the gain if the full pass ran at the peak while the 1-slot pass stays as is."""
-  from mdlm_jax import flops
+  from mdlm_jax.training import flops
   out = {"passes": {}}
   for n in sorted({1, slots}):
     for with_head in (True, False):

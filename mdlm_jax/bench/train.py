@@ -44,7 +44,7 @@ def main(argv):
   a = parse(argv)
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  from mdlm_jax import runtime
+  from mdlm_jax.parallel import runtime
 
   path = a.config or default_config_path()
   try:
@@ -56,7 +56,7 @@ def main(argv):
     c.data.batch_size = a.batch_size
   runtime.split_cpu_into_devices(c.data.batch_size // c.optim.grad_accum_steps)
   import jax
-  from mdlm_jax import flops, trainer
+  from mdlm_jax.training import flops, trainer
   peaks = {n: flops.measure_matmul_peak(n) for n in (512, 1024, 2048)}
   peak = max(peaks.values())
   c.train.update(num_steps=a.steps + 1, log_every=a.log_every, checkpoint_every=10 ** 9, eval_every=0,

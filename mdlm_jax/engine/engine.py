@@ -27,10 +27,13 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from mdlm_jax.builder import LoadedModel, decoding_pair
+from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.model.spec import decoding_pair
 from mdlm_jax.engine import slots as slots_lib
-from mdlm_jax.layers import FEW_ROWS
+from mdlm_jax.model.layers import FEW_ROWS
+from mdlm_jax.sampling import presets, rule
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text, truncate_at_stop
+from mdlm_jax.sampling.samplers import ThresholdSampler
 
 
 class QueueFull(RuntimeError):
@@ -41,16 +44,31 @@ class EngineClosed(RuntimeError):
   """The engine is shutting down and admits nothing new."""
 
 
+class ContextLengthExceeded(ValueError):
+  """A request's prompt (and suffix) can never fit this engine's context."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
+  """What to decode and how: `sampler` is the refinement rule's settings (a
+  cached `ThresholdSampler` in the engine's block size, as
+  `presets.for_model` builds it for an effort); `seed` keys its noise.
+  With `suffix_ids` the request fills in the middle: the suffix is encoded
+  into the slot's cache with the prompt, at the positions after the middle's
+  `max_tokens`, and every block of the middle reads it."""
   prompt_ids: Sequence[int]
   max_tokens: int
-  threshold: float = 0.9
-  min_tokens: int = 4
-  temperature: float = 0.0
-  top_p: float = 1.0
+  sampler: ThresholdSampler
   seed: int = 0
   stop: tuple[str, ...] = ()
+  suffix_ids: Sequence[int] = ()
+
+  def fixed_row(self) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, RoPE positions) the prefill encodes: [suffix | prompt]."""
+    p, x = len(self.prompt_ids), len(self.suffix_ids)
+    tokens = np.asarray(list(self.suffix_ids) + list(self.prompt_ids), np.int32)
+    positions = np.concatenate([p + self.max_tokens + np.arange(x), np.arange(p)]).astype(np.int32)
+    return tokens, positions
 
 
 @dataclasses.dataclass
@@ -155,7 +173,7 @@ class Engine:
                weight_layout: str | None = None):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
-    bs = block_size or loaded.config.diffusion.get("block_size", 0) or 8
+    bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
     if max_new_tokens % bs:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
@@ -227,8 +245,8 @@ class Engine:
       for bucket in sorted({_bucket(n, self.sc.max_prompt) for n in range(1, self.sc.max_prompt + 1)}):
         model, admit, _ = self._programs_for(bucket)
         self._state = admit(model.params, self._state, np.int32(0), np.full((bucket,), self.tok.pad_id, np.int32),
-                            np.int32(1), np.int32(1), np.float32(1.0), np.int32(1), np.float32(0.0),
-                            np.float32(1.0), np.zeros((2,), np.uint32))
+                            np.arange(bucket, dtype=np.int32), np.int32(1), np.int32(1), np.int32(1),
+                            rule.Decoding.broadcast(1, threshold=1.0, min_tokens=1), np.zeros((2,), np.uint32))
       self._deactivate([0])
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
@@ -257,7 +275,7 @@ class Engine:
   def pass_flops(self, slots: int, with_head: bool) -> float:
     """Model FLOPs of that pass: every slot's block reads the whole cache and
     is scored; a finished block is encoded (keys and values) but not scored."""
-    from mdlm_jax import flops
+    from mdlm_jax.training import flops
     cfg = self.loaded.spec.cfg
     per_token = flops.forward_flops_per_token(cfg, self.sc.cache_len)
     scored = per_token * self.sc.block_size
@@ -299,19 +317,25 @@ class Engine:
 
   # -- engine thread --------------------------------------------------------
 
+  def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    """Token ids of `text` for a request (BOS first, as prompts start)."""
+    return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+
+  def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ThresholdSampler:
+    """The decoding an effort means for this engine's model (`presets.for_model`)."""
+    return presets.for_model(effort, self.sc.block_size, **overrides)
+
   def _check(self, r: Request) -> None:
-    if not 1 <= len(r.prompt_ids) <= self.sc.max_prompt:
-      raise ValueError(f"the prompt has {len(r.prompt_ids)} tokens; this engine takes 1 to {self.sc.max_prompt}")
+    fixed = len(r.prompt_ids) + len(r.suffix_ids)
+    if not r.prompt_ids or fixed > self.sc.max_prompt:
+      what = "prompt and suffix have" if r.suffix_ids else "prompt has"
+      raise ContextLengthExceeded(f"the {what} {fixed} tokens; this engine takes 1 to {self.sc.max_prompt}")
     if not 1 <= r.max_tokens <= self.sc.max_new_tokens:
       raise ValueError(f"max_tokens must be in [1, {self.sc.max_new_tokens}], got {r.max_tokens}")
-    if not 0.0 <= r.threshold <= 1.0:
-      raise ValueError(f"threshold must be in [0, 1], got {r.threshold}")
-    if r.min_tokens < 1:
-      raise ValueError(f"min_tokens must be >= 1, got {r.min_tokens}")
-    if not 0.0 < r.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {r.top_p}")
-    if not 0.0 <= r.temperature <= 100.0:
-      raise ValueError(f"temperature must be in [0, 100], got {r.temperature}")
+    smp = r.sampler
+    if not isinstance(smp, ThresholdSampler) or not smp.kv_cache or smp.block_size != self.sc.block_size:
+      raise ValueError(f"the engine decodes with a KV-cached ThresholdSampler in blocks of {self.sc.block_size}"
+                       f" (engine.sampler_for builds one); got {smp!r}")
 
   def _mesh_context(self):
     import contextlib
@@ -409,14 +433,17 @@ class Engine:
     """The turn's device work; every process runs exactly this."""
     self._deactivate(turn.release)
     for row, r, key in turn.admits:
-      bucket = _bucket(len(r.prompt_ids), self.sc.max_prompt)
-      prompt = np.full((bucket,), self.tok.pad_id, np.int32)
-      prompt[:len(r.prompt_ids)] = r.prompt_ids
+      tokens, positions = r.fixed_row()
+      n = len(tokens)
+      bucket = _bucket(n, self.sc.max_prompt)
+      fixed = np.full((bucket,), self.tok.pad_id, np.int32)
+      fixed[:n] = tokens
+      pos = np.zeros((bucket,), np.int32)
+      pos[:n] = positions
       n_blocks = -(-r.max_tokens // self.sc.block_size)
       model, admit, _ = self._programs_for(bucket)
-      self._state = admit(model.params, self._state, np.int32(row), prompt, np.int32(len(r.prompt_ids)),
-                          np.int32(n_blocks), np.float32(r.threshold), np.int32(r.min_tokens),
-                          np.float32(r.temperature), np.float32(r.top_p), key)
+      self._state = admit(model.params, self._state, np.int32(row), fixed, pos, np.int32(n),
+                          np.int32(len(r.prompt_ids)), np.int32(n_blocks), r.sampler.decoding(1), key)
     if turn.rows:
       self._run_pass(turn.rows, turn.with_head)
 
@@ -542,22 +569,23 @@ def _place(x: np.ndarray, sharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-_SETTINGS = ("threshold", "temperature", "top_p")
+_SETTINGS = ("threshold", "temperature", "top_p")  # the sampler's floats that travel
 
 
 def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
   n = sc.num_slots
   out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head], np.int32),
-         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 4), np.int32),
+         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 5), np.int32),
          "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
          "prompts": np.zeros((n, sc.max_prompt), np.int32)}
   out["release"][turn.release] = 1
   for i, (row, r, key) in enumerate(turn.admits):
-    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.min_tokens)
-    out["floats"][i] = [getattr(r, f) for f in _SETTINGS]
+    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids))
+    out["floats"][i] = [getattr(r.sampler, f) for f in _SETTINGS]
     out["keys"][i] = key
-    out["prompts"][i, :len(r.prompt_ids)] = r.prompt_ids
+    ids = list(r.prompt_ids) + list(r.suffix_ids)
+    out["prompts"][i, :len(ids)] = ids
   return out
 
 
@@ -567,10 +595,12 @@ def _decode(a: dict[str, np.ndarray], sc) -> Turn:
   stop, n_admits, rows, with_head = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
-    row, plen, max_tokens, min_tokens = (int(v) for v in a["ints"][i])
+    row, plen, max_tokens, min_tokens, slen = (int(v) for v in a["ints"][i])
     threshold, temperature, top_p = (float(v) for v in a["floats"][i])
-    admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, threshold=threshold,
-                                min_tokens=min_tokens, temperature=temperature, top_p=top_p),
+    sampler = ThresholdSampler(block_size=sc.block_size, kv_cache=True, threshold=threshold, min_tokens=min_tokens,
+                               temperature=temperature, top_p=top_p)
+    admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
+                                suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
                    a["keys"][i].astype(np.uint32)))
   return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, rows=rows,
               with_head=bool(with_head))

@@ -6,10 +6,11 @@ block-by-block diffusion decoding against its own row of a per-row KV cache.
 slot at once: each slot sends [its finished block, if any | its current
 block], the finished block goes into the cache and the current block is
 denoised in the same pass (`Transformer.forward_cached` with new_block).
-Per-request settings (threshold, min tokens, temperature, seed, length) are
-arrays rather than static arguments, so requests of different efforts share
-every pass, and a request's noise depends only on its own seed, block and
-step: its tokens do not depend on which slot it got or who else is decoding.
+Each slot's decoding settings are one row of a `rule.Decoding` (arrays, not
+static arguments), so requests of different efforts share every pass; the
+pass applies `sampling.rule`, the rule the one-shot samplers apply, and a
+request's noise depends only on its own seed, block, step and columns: its
+tokens do not depend on which slot it got or who else is decoding.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from mdlm_jax.builder import ModelSpec, bind
-from mdlm_jax.diffusion import NEG_INF
-from mdlm_jax.kv_cache import KVCache
-from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
-from mdlm_jax.sampling.samplers import rank_desc
+from mdlm_jax.model.spec import ModelSpec, bind
+from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.sampling import rule
 
 
 @struct.dataclass
@@ -40,10 +39,7 @@ class Slots:
   head: Bool[Array, "s"]  # the block before it is finished but not yet in the cache
   active: Bool[Array, "s"]  # holds a request that is still decoding
   n_blocks: Int[Array, "s"]  # blocks the request may decode
-  threshold: Float[Array, "s"]
-  min_tokens: Int[Array, "s"]
-  temperature: Float[Array, "s"]
-  top_p: Float[Array, "s"]
+  decoding: rule.Decoding  # each request's settings of the refinement rule
   key: jax.Array  # [s, 2] uint32: each request's PRNG key data
   passes: Int[Array, "s"]  # forward passes that carried the request
 
@@ -70,8 +66,7 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
   return Slots(cache=KVCache.init(spec.cfg, s, sc.cache_len, per_row=True),
                gen=jnp.full((s, g), sc.mask_id, jnp.int32), prompt_len=zeros(), block=zeros(), step=zeros(),
                head=jnp.zeros((s,), bool), active=jnp.zeros((s,), bool), n_blocks=zeros(),
-               threshold=jnp.ones((s,), jnp.float32), min_tokens=jnp.ones((s,), jnp.int32),
-               temperature=jnp.zeros((s,), jnp.float32), top_p=jnp.ones((s,), jnp.float32),
+               decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
                key=jnp.zeros((s, 2), jnp.uint32), passes=zeros())
 
 
@@ -83,55 +78,34 @@ def _row_update(x, new, row, axis):
   return lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), row, axis)
 
 
-def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, row, prompt: Int[Array, "p"], prompt_len,
-          n_blocks, threshold, min_tokens, temperature, top_p, key_data) -> Slots:
-  """Resets slot `row` and encodes `prompt[:prompt_len]` into its cache row."""
+def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, row, fixed: Int[Array, "p"],
+          positions: Int[Array, "p"], n_fixed, gen_position, n_blocks, decoding: rule.Decoding, key_data) -> Slots:
+  """Resets slot `row` and encodes `fixed[:n_fixed]` (the prompt, after the
+  suffix when infilling) at `positions` into its cache row; the generation
+  region starts at RoPE position `gen_position`. `decoding`: the request's
+  settings (one row)."""
   model = bind(spec, params)
   c = slots.cache
-  p = prompt.shape[0]
   sub = KVCache(k=_row_slice(c.k, row, 1), v=_row_slice(c.v, row, 1), valid=jnp.zeros((1, c.max_len), bool),
                 length=jnp.zeros((1,), jnp.int32), last_hidden=jnp.zeros_like(_row_slice(c.last_hidden, row, 0)))
-  valid_new = (jnp.arange(p) < prompt_len)[None]
+  p = fixed.shape[0]
+  valid_new = (jnp.arange(p) < n_fixed)[None]
   t = jnp.zeros((1,), jnp.float32) if spec.cfg.time_conditioning else None
-  _, sub = model.forward_cached(prompt[None], jnp.arange(p, dtype=jnp.int32)[None], sub, commit=True,
-                                valid_new=valid_new, t=t, commit_len=jnp.reshape(prompt_len, (1,)))
+  _, sub = model.forward_cached(fixed[None], positions[None], sub, commit=True, valid_new=valid_new, t=t,
+                                commit_len=jnp.reshape(n_fixed, (1,)))
   cache = c.replace(k=_row_update(c.k, sub.k, row, 1), v=_row_update(c.v, sub.v, row, 1),
                     valid=_row_update(c.valid, sub.valid, row, 0), length=_row_update(c.length, sub.length, row, 0),
                     last_hidden=_row_update(c.last_hidden, sub.last_hidden, row, 0))
   one = lambda x, v: x.at[row].set(jnp.asarray(v, x.dtype))  # noqa: E731
   return slots.replace(
-      cache=cache, gen=slots.gen.at[row].set(sc.mask_id), prompt_len=one(slots.prompt_len, prompt_len),
+      cache=cache, gen=slots.gen.at[row].set(sc.mask_id), prompt_len=one(slots.prompt_len, gen_position),
       block=one(slots.block, 0), step=one(slots.step, 0), head=one(slots.head, False),
       active=one(slots.active, True), n_blocks=one(slots.n_blocks, n_blocks),
-      threshold=one(slots.threshold, threshold), min_tokens=one(slots.min_tokens, min_tokens),
-      temperature=one(slots.temperature, temperature), top_p=one(slots.top_p, top_p),
-      key=slots.key.at[row].set(key_data), passes=one(slots.passes, 1))
+      decoding=slots.decoding.put(row, decoding), key=slots.key.at[row].set(key_data), passes=one(slots.passes, 1))
 
 
 def cancel(slots: Slots, row) -> Slots:
   return slots.replace(active=slots.active.at[row].set(False))
-
-
-def _propose(logits, key_data, block, step, temperature, top_p, mask_id):
-  """Per row: proposals (Gumbel-max at the row's temperature over its top-p
-  nucleus; argmax at temperature 0) and their untempered probabilities."""
-  logits = logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  def sampled():
-    keys = jax.vmap(lambda k, b, s: jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), b), s))(
-        key_data, block, step)
-    words = jax.vmap(lambda k: random_words(k, logits.shape[1:]))(keys)  # [s, 2, t, v]
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
-    scaled = logits / safe_t
-    scaled = lax.cond(jnp.any(top_p < 1), lambda: top_p_filter(scaled, top_p[:, None, None]), lambda: scaled)
-    x = gumbel_argmax(scaled, jnp.moveaxis(words, 1, 0))
-    return jnp.where((temperature > 0)[:, None], x, greedy)
-
-  x0 = lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])
-  return x0, conf
 
 
 def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True) -> Slots:
@@ -167,11 +141,11 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     # hands back the input cache, so the write would need a copy of all of it.)
     logits, cache = model.forward_cached(tail, tail_pos, s.cache, commit=True, t=t,
                                          commit_len=jnp.zeros_like(s.prompt_len))
-  x0, conf = _propose(logits, s.key, s.block, s.step, s.temperature, s.top_p, sc.mask_id)
+  d = s.decoding
+  columns = lo[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+  x0, conf = rule.propose(logits, rule.pass_keys(s.key, s.block, s.step), columns, sc.mask_id, d.temperature, d.top_p)
   candidates = (tail == sc.mask_id) & moving[:, None]
-  conf = jnp.where(candidates, conf, -1.0)
-  top = rank_desc(conf) < s.min_tokens[:, None]
-  commit = candidates & ((conf >= s.threshold[:, None]) | top)
+  commit = rule.commit(conf, candidates, d.threshold, d.min_tokens)
   new_tail = jnp.where(commit, x0, tail)
   put = jax.vmap(lambda row, blk, start: lax.dynamic_update_slice_in_dim(row, blk, start, 0))
   gen = jnp.where(moving[:, None], put(s.gen, new_tail, jnp.minimum(lo, sc.max_new_tokens - bs)), s.gen)
@@ -191,7 +165,8 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
 
   cache = s.cache.replace(**{name: one(lambda x, name=name: getattr(x.cache, name), 1 if name in ("k", "v") else 0)
                              for name in ("k", "v", "valid", "length", "last_hidden")})
-  rest = {f.name: one(lambda x, name=f.name: getattr(x, name), 0) for f in dataclasses.fields(s) if f.name != "cache"}
+  rest = {f.name: jax.tree.map(lambda x, *o: fn(x, 0, *o), getattr(s, f.name), *(getattr(o, f.name) for o in others))
+          for f in dataclasses.fields(s) if f.name != "cache"}
   return s.replace(cache=cache, **rest)
 
 

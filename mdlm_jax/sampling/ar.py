@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
 
 if TYPE_CHECKING:
-  from mdlm_jax.builder import ModelSpec
+  from mdlm_jax.model.spec import ModelSpec
 
 
 def sample_token(logits: Float[Array, "b v"], key: PRNGKeyArray, *, temperature: float,

@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdlm_jax import kernels, sharding
-from mdlm_jax.builder import LoadedModel, bind, decoding_pair, for_decoding
-from mdlm_jax.layers import FEW_ROWS
+from mdlm_jax import kernels
+from mdlm_jax.parallel import sharding
+from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.model.spec import bind, decoding_pair, for_decoding
+from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
-from mdlm_jax.kv_cache import KVCache
+from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout, block_causal_mask
 
 
@@ -87,7 +90,7 @@ class Generator:
     if self._on_step is not None:
       self._on_step(step, tokens)
 
-  def _run_impl(self, params, tokens, valid, positions, key, *, sampler, layout, record, stream=False, many=False):
+  def _run_impl(self, params, tokens, valid, positions, keys, *, sampler, layout, record, stream=False, many=False):
     """`many`: `params` are those of the model for passes over many rows."""
     emit = self._emit if stream else None
     spec = (self._many if many else self._few).spec
@@ -115,7 +118,7 @@ class Generator:
 
     denoiser = Denoiser()
     denoiser.positions = positions  # the canvas's RoPE positions, for cached blocks
-    return sampler.run(denoiser, tokens, valid, key, layout, record, emit)
+    return sampler.run(denoiser, tokens, valid, keys, layout, record, emit)
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
     return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
@@ -129,21 +132,30 @@ class Generator:
     ids = [self.encode_prompt(p, add_bos) for p in prompts]
     suf = [self.tok.encode(s) for s in suffixes] if suffixes is not None else None
     gen_len = max_new_tokens
+    cached = getattr(sampler, "kv_cache", False)
     if getattr(sampler, "is_block_causal", False):
-      if suf is not None and any(suf):
-        raise ValueError("block-causal (KV-cached) decoding cannot see a suffix; infill with a"
-                         " bidirectional sampler")
+      if suf is not None and any(suf) and not cached:
+        raise ValueError("uncached block-causal decoding cannot see a suffix; infill with kv_cache=True (the"
+                         " suffix is encoded into the cache) or with a bidirectional sampler")
       if sampler.block_size <= 0:
         raise ValueError("block-causal decoding needs block_size > 0")
       gen_len = -(-max_new_tokens // sampler.block_size) * sampler.block_size  # whole blocks; cut below
     canvas = make_canvas(ids, gen_len, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
-    layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id)
+    suffix_len = 0
+    if suf is not None and any(suf):
+      end = canvas.gen_start + canvas.gen_len
+      suffix_len = canvas.shape[1] - end if cached else 0
+      # The suffix starts right after max_new_tokens (the blocks' extra tokens are cut).
+      canvas.positions[:, end:] -= gen_len - max_new_tokens
+    layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id, suffix_len)
     if on_draft is not None:
       def on_step(step, tokens):
         tokens = np.asarray(tokens)
         on_draft(int(step), [self.draft_text(self.region(canvas, tokens, r)) for r in range(len(prompts))])
       self._on_step = on_step
-    arrays = [jnp.asarray(x) for x in (canvas.tokens, canvas.valid, canvas.positions)]
+    # Row i draws from seed + i: the same as a request with that seed alone (the engine's, or n > 1).
+    keys = np.asarray(rule.row_keys(seed + np.arange(len(prompts))))
+    arrays = [jnp.asarray(x) for x in (canvas.tokens, canvas.valid, canvas.positions, keys)]
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
       if self.mesh is not None:
@@ -157,8 +169,7 @@ class Generator:
       per_row = 2 * sampler.block_size if getattr(sampler, "kv_cache", False) else canvas.tokens.shape[1]
       many = len(prompts) * per_row > FEW_ROWS
       try:
-        out = self._run((self._many if many else self._few).params, *arrays, jax.random.PRNGKey(seed),
-                        sampler=sampler, layout=layout, record=record_drafts, stream=on_draft is not None,
+        out = self._run((self._many if many else self._few).params, *arrays, sampler=sampler, layout=layout, record=record_drafts, stream=on_draft is not None,
                         many=many)
         out = jax.device_get(out)
       finally:

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mdlm_jax.kernels.numerics import gumbel_float32
+
 
 def use_float64() -> bool:
   return jax.default_backend() == "cpu"
@@ -35,13 +37,6 @@ def column_words(key, b: int, v: int, columns) -> jax.Array:
   block decoded alone draws the same noise as inside the whole canvas."""
   per_col = jax.vmap(lambda c: random_words(jax.random.fold_in(key, c), (b, v)))  # [T, 2, B, V]
   return jnp.transpose(per_col(columns), (1, 2, 0, 3))
-
-
-def gumbel_float32(hi: jax.Array) -> jax.Array:
-  """Gumbel noise from the top 23 bits of the first word (the float32 path;
-  kernels call it on tiles of the same bits)."""
-  u = ((hi >> 9).astype(jnp.float32) + 0.5) * np.float32(2.0**-23)  # in [2^-24, 1 - 2^-24]
-  return -jnp.log(-jnp.log(u))
 
 
 def gumbel_argmax(logits: jax.Array, words: jax.Array, temperature: float = 1.0,

@@ -1,51 +1,64 @@
-"""Reasoning-effort presets: named sampler settings, from fastest to most careful.
+"""Reasoning-effort presets: named settings of the refinement rule, from
+fastest to most careful, and the one function (`for_model`) that says what an
+effort means for a model. The CLI, the engine, the server and the benchmarks
+all call it, so one effort decodes the same everywhere.
 
 All four are confidence-threshold samplers with greedy (temperature 0)
-proposals, decoding semi-autoregressively in blocks (32 tokens, or the block
-size a BD3-LM model was trained with). Each pass commits every proposal at
-least `threshold` sure and never fewer than `min_tokens`, so a preset bounds
-the passes per block from above and lets confident stretches go faster.
+proposals, decoding semi-autoregressively in blocks against a KV cache: the
+block size a BD3-LM model was trained with, else 32 (for a model trained on
+whole sequences, cached blocks are an approximation that ignores the masked
+blocks to their right; `kv_cache=False` gives exact full-canvas passes). Each
+pass commits every proposal at least `threshold` sure and never fewer than
+`min_tokens`, so a preset bounds the passes per block from above and lets
+confident stretches go faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from mdlm_jax.sampling.samplers import AncestralSampler, LowConfidenceSampler, ThresholdSampler
 
-BLOCK = 32
+BLOCK = 32  # the block size of models not trained with BD3-LM
 
 PRESETS = {
     # At least 8 tokens a pass (one pass per block of 8), and anything 30% sure.
-    "instant": ThresholdSampler(threshold=0.3, min_tokens=8, block_size=BLOCK),
+    "instant": ThresholdSampler(threshold=0.3, min_tokens=8, block_size=BLOCK, kv_cache=True),
     # At least 4 tokens a pass, and anything 30% sure: a block of 8 goes in one
     # pass whenever all of it is. (With 6 at least a pass, every block of 8
     # still took 2 passes, as at medium, and the text was worse.)
-    "low": ThresholdSampler(threshold=0.3, min_tokens=4, block_size=BLOCK),
+    "low": ThresholdSampler(threshold=0.3, min_tokens=4, block_size=BLOCK, kv_cache=True),
     # At least 4 tokens a pass, more wherever the model is 90% sure.
-    "medium": ThresholdSampler(threshold=0.9, min_tokens=4, block_size=BLOCK),
+    "medium": ThresholdSampler(threshold=0.9, min_tokens=4, block_size=BLOCK, kv_cache=True),
     # At least 2 a pass, and only the very confident beyond that.
-    "high": ThresholdSampler(threshold=0.95, min_tokens=2, block_size=BLOCK),
+    "high": ThresholdSampler(threshold=0.95, min_tokens=2, block_size=BLOCK, kv_cache=True),
 }
 EFFORTS = tuple(PRESETS)
 DEFAULT_EFFORT = "medium"
+_OVERRIDES = ("steps", "block_size", "threshold", "temperature", "top_p", "min_tokens", "kv_cache")
 
 
-def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, steps: int | None = None,
-                block_size: int | None = None, threshold: float | None = None, temperature: float | None = None,
-                min_tokens: int | None = None):
-  """The preset for `effort`, or the named sampler, with any overrides."""
-  import dataclasses
+def block_size_for(model_block_size: int) -> int:
+  """The decoding block of a model: its BD3-LM block, else BLOCK."""
+  return model_block_size if model_block_size > 0 else BLOCK
+
+
+def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, **overrides):
+  """The preset for `effort`, or the named sampler, with any overrides
+  (None leaves a field as it is). Settings are validated by the sampler."""
   if effort not in PRESETS:
     raise ValueError(f"unknown effort {effort!r}; choose from {', '.join(EFFORTS)}")
   base = PRESETS[effort]
   if sampler is not None:
-    kinds = {"ancestral": AncestralSampler(), "low_confidence": LowConfidenceSampler(block_size=BLOCK),
-             "threshold": ThresholdSampler(block_size=BLOCK)}
+    kinds = {"ancestral": AncestralSampler(), "low_confidence": LowConfidenceSampler(block_size=BLOCK, kv_cache=True),
+             "threshold": ThresholdSampler(block_size=BLOCK, kv_cache=True)}
     if sampler not in kinds:
       raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(kinds)}")
     base = kinds[sampler]
+  unknown = set(overrides) - set(_OVERRIDES)
+  if unknown:
+    raise TypeError(f"sampler_for got unknown settings {sorted(unknown)}")
   fields = {f.name for f in dataclasses.fields(base)}
-  overrides = {"steps": steps, "block_size": block_size, "threshold": threshold, "temperature": temperature,
-               "min_tokens": min_tokens}
   changes = {}
   for name, value in overrides.items():
     if value is None:
@@ -53,23 +66,20 @@ def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, ste
     if name not in fields:
       raise ValueError(f"--{name.replace('_', '-')} does not apply to the {type(base).__name__}")
     changes[name] = value
-  if changes.get("steps", 1) < 1:
-    raise ValueError(f"--steps must be >= 1, got {changes['steps']}")
-  if changes.get("min_tokens", 1) < 1:
-    raise ValueError(f"--min-tokens must be >= 1, got {changes['min_tokens']}")
-  if changes.get("block_size", 0) < 0:
-    raise ValueError(f"--block-size must be >= 0, got {changes['block_size']}")
-  if not 0 <= changes.get("threshold", 0.5) <= 1:
-    raise ValueError(f"--threshold must be in [0, 1], got {changes['threshold']}")
-  if changes.get("temperature", 0) < 0:
-    raise ValueError(f"--temperature must be >= 0, got {changes['temperature']}")
   return dataclasses.replace(base, **changes)
 
 
 def adapt_to_model(sampler, model_block_size: int):
   """Block-diffusion (BD3-LM) models decode exactly with a KV cache in blocks
-  of the size they were trained on: confidence samplers switch to that."""
-  import dataclasses
-  if model_block_size > 0 and hasattr(sampler, "kv_cache"):
-    return dataclasses.replace(sampler, block_size=model_block_size, kv_cache=True)
+  of the size they were trained on: a cached confidence sampler takes that."""
+  if model_block_size > 0 and getattr(sampler, "kv_cache", False):
+    return dataclasses.replace(sampler, block_size=model_block_size)
   return sampler
+
+
+def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, **overrides):
+  """What `effort` (with any overrides) decodes with on a model whose BD3-LM
+  block is `model_block_size` (0: trained on whole sequences). An explicit
+  `block_size` override wins over the model's."""
+  s = sampler_for(effort, sampler=sampler, **overrides)
+  return s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)

@@ -1,8 +1,10 @@
 """Masked-diffusion samplers: each a frozen dataclass (static under jit) whose
 `run` is one fixed-shape `lax.while_loop` over a [B, L] canvas.
 
-The loop body calls `denoise(tokens, t) -> logits [B, L, V]` (float32); the
-[MASK] logit is excluded everywhere (SUBS), so [MASK] is never proposed.
+The loop body calls `denoise(tokens, t) -> logits [B, L, V]` (float32) and
+applies the one refinement rule (`rule.propose`, `rule.commit`) with the
+sampler's settings broadcast over the rows. `keys` [B, 2] are one PRNG key per
+row: a row's samples depend on its own key alone, never on its batch.
 
 - AncestralSampler: MDLM's ancestral sampler with the p(x0) cache: a step in
   which no token changed leaves the model input unchanged, so the next step
@@ -26,52 +28,9 @@ import jax.numpy as jnp
 
 from mdlm_jax import kernels
 from mdlm_jax.diffusion import NEG_INF, Schedule
-from mdlm_jax.sampling.gumbel import column_words, gumbel_argmax
+from mdlm_jax.sampling import rule
 
 Denoise = Callable[[jax.Array, jax.Array], jax.Array]
-
-
-def _exclude_mask(logits, mask_id):
-  return logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
-
-
-def propose(key, logits, mask_id: int, temperature: float, columns=None):
-  """Per position: a proposal x0 (Gumbel-max at `temperature`, float64 on CPU;
-  argmax at 0) and its probability under the untempered p(x0). `columns`: the
-  canvas columns of the positions (default 0..T-1), which key the noise.
-
-  `logits` may be a `kernels.HeadInput` (hidden states and output embedding):
-  where a fused head kernel runs, it samples from the same noise bits
-  (float32 path) without materialising the logits; elsewhere the logits are
-  materialised and the result is exactly the logits path's."""
-  if isinstance(logits, kernels.HeadInput):
-    head, logits = logits, None
-    if not head.fused:
-      logits = head.logits()
-    else:
-      b, t, _ = head.hidden.shape
-      cols = jnp.arange(t) if columns is None else columns
-      w = head.w_dv
-      bits = column_words(key, b, w.shape[1], cols)[0] if temperature > 0 else None
-      x0, conf, _ = kernels.confidence_head(head.hidden, w, bits, kernels.HeadSettings(temperature, mask_id),
-                                            implementation=head.implementation)
-      return x0, conf
-  logits = _exclude_mask(logits, mask_id)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  if temperature > 0:
-    b, t, v = logits.shape
-    cols = jnp.arange(t) if columns is None else columns
-    x0 = gumbel_argmax(logits, column_words(key, b, v, cols), temperature)
-  else:
-    x0 = jnp.argmax(logits, axis=-1)
-  conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])
-  return x0.astype(jnp.int32), conf
-
-
-def rank_desc(scores):
-  """0 for the largest score of each row, 1 for the next, ... (ties by index)."""
-  order = jnp.argsort(-scores, axis=-1, stable=True)
-  return jnp.argsort(order, axis=-1, stable=True)
 
 
 def block_bounds(gen_start: int, gen_len: int, block_size: int) -> list[tuple[int, int]]:
@@ -86,6 +45,9 @@ class Layout:
   gen_len: int
   mask_id: int
   eos_id: int
+  # Columns after the generation region that hold a suffix to infill against
+  # (0: none). Cached decoding encodes them into the cache with the prompt.
+  suffix_len: int = 0
 
 
 def _record(drafts, n, tokens, record: bool, emit=None):
@@ -108,6 +70,7 @@ def _eos_in(tokens, lo, hi, eos_id, length):
 class _ConfidenceBase:
   block_size: int = 32  # 0: one block spanning the whole generation region
   temperature: float = 0.0
+  top_p: float = 1.0
   # Block-causal decoding: a block sees the prompt, the finished blocks and
   # itself, never the masked blocks after it (exact for BD3-LM models). With
   # kv_cache the prompt and each finished block are encoded once, and a step
@@ -120,6 +83,17 @@ class _ConfidenceBase:
   # one; the materialised logits, and the same samples, elsewhere).
   fused_head: bool = False
 
+  def __post_init__(self):
+    if self.block_size < 0:
+      raise ValueError(f"block_size must be >= 0, got {self.block_size}")
+    rule.check(**self._rule_fields())
+
+  def _rule_fields(self) -> dict:
+    return {"threshold": 0.5, "min_tokens": 1, "temperature": self.temperature, "top_p": self.top_p}
+
+  def _propose(self, logits, keys, columns, lay: Layout):
+    return rule.propose(logits, keys, columns, lay.mask_id, self.temperature, self.top_p)
+
   @property
   def is_block_causal(self) -> bool:
     return self.kv_cache or self.block_causal
@@ -127,9 +101,9 @@ class _ConfidenceBase:
   def max_iterations(self, lay: Layout) -> int:
     return len(block_bounds(lay.gen_start, lay.gen_len, self.block_size)) * self._steps_cap(lay)
 
-  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
+  def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     if self.kv_cache:
-      return self._run_cached(denoise, tokens, valid, key, lay, record, emit)
+      return self._run_cached(denoise, tokens, valid, keys, lay, record, emit)
     bounds = block_bounds(lay.gen_start, lay.gen_len, self.block_size)
     lo_arr = jnp.asarray([b[0] for b in bounds], jnp.int32)
     hi_arr = jnp.asarray([b[1] for b in bounds], jnp.int32)
@@ -144,33 +118,33 @@ class _ConfidenceBase:
       return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
 
     def body(s):
-      tokens, key = s["tokens"], s["key"]
-      key, k_prop = jax.random.split(key)
+      tokens = s["tokens"]
       lo, hi = lo_arr[s["block"]], hi_arr[s["block"]]
       masked = (tokens == lay.mask_id) & valid
       frac = jnp.sum(masked, axis=-1) / lay.gen_len
       logits = denoise(tokens, frac.astype(jnp.float32))
-      x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature)
+      x0, conf = self._propose(logits, rule.pass_keys(keys, s["block"], s["step"]),
+                               jnp.maximum(cols - lay.gen_start, 0), lay)
       in_block = (cols >= lo) & (cols < hi)
       candidates = masked & in_block[None, :] & ~s["done"][:, None]
-      commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
+      commit = rule.commit(conf, candidates, *self._settings(candidates, s["step"]))
       tokens = jnp.where(commit, x0, tokens)
       block_left = jnp.any((tokens == lay.mask_id) & valid & in_block[None, :] & ~s["done"][:, None])
       finished = ~block_left | (s["step"] + 1 >= steps_cap)
       done = s["done"] | (finished & _eos_in(tokens, lo, hi, lay.eos_id, L))
       drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
-      return {"tokens": tokens, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
+      return {"tokens": tokens, "done": done, "drafts": drafts, "n_drafts": n,
               "block": s["block"] + finished.astype(jnp.int32),
               "step": jnp.where(finished, 0, s["step"] + 1), "it": s["it"] + 1, "nfe": s["nfe"] + 1}
 
-    init = {"tokens": tokens, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
+    init = {"tokens": tokens, "done": jnp.zeros((B,), bool), "drafts": drafts,
             "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
             "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.zeros((), jnp.int32)}
     out = jax.lax.while_loop(cond, body, init)
     return {"tokens": out["tokens"], "nfe": out["nfe"], "steps": out["it"], "drafts": out["drafts"],
             "num_drafts": out["n_drafts"]}
 
-  def _run_cached(self, model, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
+  def _run_cached(self, model, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     """Block-by-block decoding against a KV cache of the prompt and finished
     blocks. `model` provides `cached(tokens, positions, cache, commit, valid_new,
     commit_len, new_block)` -> (logits, cache), `new_cache(batch, max_len)` and
@@ -190,7 +164,9 @@ class _ConfidenceBase:
     gs, n_blocks, steps_cap = lay.gen_start, lay.gen_len // bs, self._steps_cap(lay)
     max_it = n_blocks * steps_cap
     positions = model.positions
-    cache = model.new_cache(B, gs + lay.gen_len)
+    ge, sl = gs + lay.gen_len, lay.suffix_len
+    # Room for the last pass, which writes [finished block | current block] at the fill point.
+    cache = model.new_cache(B, sl + gs + lay.gen_len + bs)
     drafts = jnp.zeros((max_it + 1 if record else 1, B, L), jnp.int32)
     drafts, n_drafts = _record(drafts, 0, tokens, record, emit)
     head = {"head": True} if self.fused_head else {}
@@ -199,8 +175,13 @@ class _ConfidenceBase:
       return (s["block"] < n_blocks) & ~jnp.all(s["done"]) & (s["it"] < max_it)
 
     def encode_prompt_and_refine(s, blk, pos):
-      return model.cached(jnp.concatenate([s["tokens"][:, :gs], blk], 1), positions[:, :gs + bs], s["cache"], True,
-                          valid[:, :gs + bs], gs, bs, **head)
+      # [suffix | prompt | block]: the suffix (infilling) goes first, so the
+      # last token kept is the prompt's, whose state a shifted head reads.
+      cols = [slice(ge, ge + sl), slice(0, gs)]
+      return model.cached(jnp.concatenate([s["tokens"][:, c] for c in cols] + [blk], 1),
+                          jnp.concatenate([positions[:, c] for c in cols] + [pos], 1), s["cache"], True,
+                          jnp.concatenate([valid[:, c] for c in cols] + [valid[:, gs:gs + bs]], 1), sl + gs, bs,
+                          **head)
 
     def encode_previous_and_refine(s, blk, pos):
       lo = gs + s["block"] * bs
@@ -213,24 +194,24 @@ class _ConfidenceBase:
       return model.cached(blk, pos, s["cache"], False, None, None, 0, **head)
 
     def advance(s, forward):
-      key, k_prop = jax.random.split(s["key"])
       lo = gs + s["block"] * bs
       blk = jax.lax.dynamic_slice_in_dim(s["tokens"], lo, bs, axis=1)
       pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
       logits, cache = forward(s, blk, pos)
-      x0, conf = propose(k_prop, logits, lay.mask_id, self.temperature, lo + jnp.arange(bs))
+      x0, conf = self._propose(logits, rule.pass_keys(keys, s["block"], s["step"]),
+                               s["block"] * bs + jnp.arange(bs), lay)
       candidates = (blk == lay.mask_id) & ~s["done"][:, None]
-      commit = self._select(jnp.where(candidates, conf, -1.0), candidates, s["block"], s["step"])
+      commit = rule.commit(conf, candidates, *self._settings(candidates, s["step"]))
       blk = jnp.where(commit, x0, blk)
       finished = ~jnp.any((blk == lay.mask_id) & ~s["done"][:, None]) | (s["step"] + 1 >= steps_cap)
       tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], blk, lo, axis=1)
       done = s["done"] | (finished & jnp.any(blk == lay.eos_id, axis=-1))
       drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
-      return {"tokens": tokens, "cache": cache, "key": key, "done": done, "drafts": drafts, "n_drafts": n,
+      return {"tokens": tokens, "cache": cache, "done": done, "drafts": drafts, "n_drafts": n,
               "block": s["block"] + finished.astype(jnp.int32), "step": jnp.where(finished, 0, s["step"] + 1),
               "it": s["it"] + 1, "nfe": s["nfe"] + 1}
 
-    init = {"tokens": tokens, "cache": cache, "key": key, "done": jnp.zeros((B,), bool), "drafts": drafts,
+    init = {"tokens": tokens, "cache": cache, "done": jnp.zeros((B,), bool), "drafts": drafts,
             "n_drafts": jnp.asarray(n_drafts, jnp.int32), "block": jnp.zeros((), jnp.int32),
             "step": jnp.zeros((), jnp.int32), "it": jnp.zeros((), jnp.int32), "nfe": jnp.zeros((), jnp.int32)}
     def finish_block(s):
@@ -273,13 +254,19 @@ class LowConfidenceSampler(_ConfidenceBase):
   def _steps_cap(self, lay: Layout) -> int:
     return self.steps
 
-  def _select(self, conf, candidates, block, step):
-    # An even split of what is left over the steps left, so each block ends
-    # after exactly `steps` steps (LLaDA's schedule, computed on the fly).
+  def __post_init__(self):
+    super().__post_init__()
+    if self.steps < 1:
+      raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+  def _settings(self, candidates, step):
+    """(threshold, min_tokens) of the rule: the k most confident, k an even
+    split of what is left over the steps left, so each block ends after
+    exactly `steps` steps (LLaDA's schedule, computed on the fly)."""
     n_left = jnp.sum(candidates, axis=-1)
     steps_left = self.steps - step
     k = jnp.where(steps_left > 0, -(-n_left // jnp.maximum(steps_left, 1)), n_left)
-    return candidates & (rank_desc(conf) < k[:, None])
+    return rule.NEVER, k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,17 +277,21 @@ class ThresholdSampler(_ConfidenceBase):
   threshold: float = 0.9
   min_tokens: int = 1
 
-  def __post_init__(self):
-    if self.min_tokens < 1:
-      raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}")
+  def _rule_fields(self) -> dict:
+    return {"threshold": self.threshold, "min_tokens": self.min_tokens, "temperature": self.temperature,
+            "top_p": self.top_p}
 
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len
     return -(-min(size, lay.gen_len) // max(self.min_tokens, 1))
 
-  def _select(self, conf, candidates, block, step):
-    top = rank_desc(conf) < self.min_tokens
-    return candidates & ((conf >= self.threshold) | top)
+  def _settings(self, candidates, step):
+    return self.threshold, self.min_tokens
+
+  def decoding(self, rows: int) -> rule.Decoding:
+    """The rule's settings for `rows` rows (a request's, in the engine)."""
+    return rule.Decoding.broadcast(rows, threshold=self.threshold, min_tokens=self.min_tokens,
+                                   temperature=self.temperature, top_p=self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +310,12 @@ class AncestralSampler:
   def max_iterations(self, lay: Layout) -> int:
     return self.steps + 1
 
-  def run(self, denoise: Denoise, tokens, valid, key, lay: Layout, record: bool = False, emit=None):
+  def __post_init__(self):
+    if self.steps < 1:
+      raise ValueError(f"steps must be >= 1, got {self.steps}")
+    rule.check(threshold=0.5, min_tokens=1, temperature=self.temperature, top_p=1.0)
+
+  def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     sched = Schedule(self.schedule, self.eps)
     B, L = tokens.shape
     ts = jnp.linspace(1.0, self.eps, self.steps + 1)
@@ -337,18 +333,18 @@ class AncestralSampler:
     def body(i, s):
       s_t, t_t = ts[i], ts[i + 1]
       logits, ran = logits_for(s["tokens"], s_t, s["logits"], s["cache_ok"])
-      key, k_u, k_x = jax.random.split(s["key"], 3)
       masked = (s["tokens"] == lay.mask_id) & valid
       a_s, a_t = sched.alpha(s_t), sched.alpha(t_t)
       p_unmask = (a_t - a_s) / (1.0 - a_s)
-      unmask = masked & (jax.random.uniform(k_u, masked.shape) < p_unmask)
-      x0, _ = propose(k_x, logits, lay.mask_id, self.temperature)
+      u = jax.vmap(lambda k: jax.random.uniform(jax.random.wrap_key_data(k), (L,)))(rule.pass_keys(keys, i, 1))
+      unmask = masked & (u < p_unmask)
+      x0, _ = rule.propose(logits, rule.pass_keys(keys, i, 0), jnp.arange(L), lay.mask_id, self.temperature)
       new = jnp.where(unmask, x0, s["tokens"])
       drafts, n = _record(s["drafts"], s["n_drafts"], new, record, emit)
-      return {"tokens": new, "key": key, "logits": logits, "cache_ok": ~jnp.any(unmask),
+      return {"tokens": new, "logits": logits, "cache_ok": ~jnp.any(unmask),
               "nfe": s["nfe"] + ran, "drafts": drafts, "n_drafts": n}
 
-    init = {"tokens": tokens, "key": key, "logits": jnp.zeros((B, L, V), jnp.float32),
+    init = {"tokens": tokens, "logits": jnp.zeros((B, L, V), jnp.float32),
             "cache_ok": jnp.zeros((), bool), "nfe": jnp.zeros((), jnp.int32), "drafts": drafts,
             "n_drafts": jnp.asarray(n_drafts, jnp.int32)}
     s = jax.lax.fori_loop(0, self.steps, body, init)
@@ -358,7 +354,7 @@ class AncestralSampler:
         jnp.any(masked),
         lambda: logits_for(s["tokens"], ts[-1], s["logits"], s["cache_ok"]),
         lambda: (s["logits"], jnp.zeros((), jnp.int32)))
-    x0 = jnp.argmax(_exclude_mask(logits, lay.mask_id), axis=-1).astype(jnp.int32)
+    x0 = jnp.argmax(logits.astype(jnp.float32).at[..., lay.mask_id].set(NEG_INF), axis=-1).astype(jnp.int32)
     tokens = jnp.where(masked, x0, s["tokens"])
     drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
     return {"tokens": tokens, "nfe": s["nfe"] + ran, "steps": jnp.asarray(self.steps + 1, jnp.int32),

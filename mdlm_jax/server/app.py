@@ -1,8 +1,7 @@
 """The OpenAI-compatible HTTP layer: routes, auth, limits, errors, streaming.
 
-No model logic lives here: generation goes through the engine (continuous
-batching) and, for fill-in-the-middle, through a one-at-a-time generator
-whose bidirectional sampler can see the suffix.
+No model logic lives here: every generation, fill-in-the-middle included,
+is an engine request sharing the engine's slots and passes.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import dataclasses
 import json
 import os
 import secrets
-import threading
 import time
 from typing import Any
 
@@ -20,11 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mdlm_jax.engine.engine import Engine, EngineClosed, QueueFull
+from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, QueueFull
 from mdlm_jax.engine.engine import Request as EngineRequest
-from mdlm_jax.sampling.presets import PRESETS
 from mdlm_jax.server import chat_template
-from mdlm_jax.server.metrics import Metrics
+from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.server.protocol import (APIError, Limits, Sampling, parse_messages, parse_model, parse_prompt,
                                       parse_sampling, parse_suffix, require_object)
 
@@ -36,14 +33,6 @@ class ServerState:
     self.metrics = Metrics()
     self.created = int(time.time())
     self.shutting_down = False
-    self._fim_lock = threading.Lock()
-    self._fim_generator = None
-
-  def fim_generator(self):
-    if self._fim_generator is None:
-      from mdlm_jax.sampling.generate import Generator
-      self._fim_generator = Generator(self.engine.loaded)
-    return self._fim_generator
 
 
 def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
@@ -117,15 +106,13 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
   async def completions(request: Request):
     body, prompt, suffix = await prompt_request(request)
     s = parse_sampling(body, state.limits, default_max_tokens=16)
-    if suffix:
-      return await _fim(state, request, "completions", prompt, suffix, s)
-    return await _generate(state, request, "completions", prompt, s)
+    return await _generate(state, request, "completions", prompt, s, suffix=suffix or "")
 
   @app.post("/v1/fim/completions")
   async def fim(request: Request):
     body, prompt, suffix = await prompt_request(request)
     s = parse_sampling(body, state.limits, default_max_tokens=64)
-    return await _fim(state, request, "fim", prompt, suffix or "", s)
+    return await _generate(state, request, "fim", prompt, s, suffix=suffix or "")
 
   return app
 
@@ -176,19 +163,13 @@ async def _read_body(state: ServerState, request: Request) -> dict:
   return require_object(body)
 
 
-def _encode_prompt(state: ServerState, prompt: str) -> list[int]:
-  ids = [state.tok.bos_id] + state.tok.encode(prompt)
-  if len(ids) > state.limits.max_prompt_tokens:
-    raise APIError(422, f"the prompt is {len(ids)} tokens; this server takes at most {state.limits.max_prompt_tokens}",
-                   param="prompt", code="context_length_exceeded")
-  return ids
-
-
-def _engine_requests(state: ServerState, ids: list[int], s: Sampling) -> list[EngineRequest]:
-  preset = PRESETS[s.effort]
+def _engine_requests(state: ServerState, prompt: str, s: Sampling, suffix: str = "") -> list[EngineRequest]:
+  """One engine request per choice (seeds base, base + 1, ...), as one effort decodes everywhere."""
+  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
+  ids = state.engine.encode(prompt)
+  suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
-  return [EngineRequest(ids, s.max_tokens, threshold=preset.threshold, min_tokens=preset.min_tokens,
-                        temperature=s.temperature, top_p=s.top_p, seed=base_seed + i, stop=s.stop)
+  return [EngineRequest(ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop, suffix_ids=suffix_ids)
           for i in range(s.n)]
 
 
@@ -210,6 +191,8 @@ def _submit_all(state: ServerState, reqs: list[EngineRequest], want_drafts: bool
     for h in handles:
       h.cancel()
     raise APIError(503, "the server is shutting down", code="shutting_down") from e
+  except ContextLengthExceeded as e:
+    raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from e
   except ValueError as e:
     raise APIError(400, str(e), code="invalid_value") from e
   return handles
@@ -262,10 +245,11 @@ def _finish_reason(ev) -> str:
   return "length" if ev.finish_reason == "length" else "stop"
 
 
-async def _generate(state: ServerState, request: Request, kind: str, prompt: str, s: Sampling):
-  ids = _encode_prompt(state, prompt)
+async def _generate(state: ServerState, request: Request, kind: str, prompt: str, s: Sampling, suffix: str = ""):
+  reqs = _engine_requests(state, prompt, s, suffix)
+  ids = list(reqs[0].prompt_ids) + list(reqs[0].suffix_ids)  # what the model reads: usage's prompt tokens
   t0 = time.perf_counter()
-  handles = _submit_all(state, _engine_requests(state, ids, s), want_drafts=s.diffusing)
+  handles = _submit_all(state, reqs, want_drafts=s.diffusing)
   rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
   created = int(time.time())
   if not s.stream:
@@ -325,53 +309,6 @@ async def _generate(state: ServerState, request: Request, kind: str, prompt: str
 
   return StreamingResponse(stream(), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _fim(state: ServerState, request: Request, kind: str, prompt: str, suffix: str, s: Sampling):
-  """Infilling runs outside the slots: the middle sees the suffix, so it needs
-  full-canvas (bidirectional) passes, one request at a time."""
-  ids = _encode_prompt(state, prompt)
-  if len(ids) + len(state.tok.encode(suffix)) + s.max_tokens > state.limits.max_prompt_tokens + state.limits.max_tokens:
-    raise APIError(422, "prompt + suffix + max_tokens exceed this server's context", param="suffix",
-                   code="context_length_exceeded")
-  if s.top_p < 1:
-    raise APIError(400, "top_p: infilling samples from the full distribution; leave top_p at 1", param="top_p",
-                   code="unsupported_value")
-  # One bidirectional block over the whole middle, so every position sees the suffix.
-  sampler = dataclasses.replace(PRESETS[s.effort], temperature=s.temperature, block_size=0, kv_cache=False)
-  t0 = time.perf_counter()
-  base_seed = s.seed if s.seed is not None else secrets.randbits(31)
-
-  def run():
-    with state._fim_lock:
-      gen = state.fim_generator()
-      return [gen.generate([prompt], max_new_tokens=s.max_tokens, sampler=sampler, seed=base_seed + i,
-                           suffixes=[suffix], stop=s.stop).completions[0] for i in range(s.n)]
-
-  if state.shutting_down:
-    raise APIError(503, "the server is shutting down", code="shutting_down")
-  completions = await asyncio.get_running_loop().run_in_executor(None, run)
-  completion = sum(len(c.tokens) for c in completions)
-  state.metrics.tokens(len(ids) * s.n, completion)
-  state.metrics.latency(time.perf_counter() - t0)
-  state.metrics.request(kind, 200)
-  rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
-  choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-             for i, c in enumerate(completions)]
-  if not s.stream:
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
-                         "choices": choices, "usage": _usage(len(ids) * s.n, completion)})
-
-  async def stream():
-    for ch in choices:
-      yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
-                  "choices": [ch]})
-    if s.include_usage:
-      yield _sse({"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
-                  "choices": [], "usage": _usage(len(ids) * s.n, completion)})
-    yield "data: [DONE]\n\n"
-
-  return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 def api_key_from_env(flag: str | None) -> str | None:

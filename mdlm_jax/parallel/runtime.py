@@ -17,11 +17,12 @@ def split_cpu_into_devices(batch_size: int | None = None) -> int:
   Returns the device count it asked for (0 if it left things alone)."""
   if _FLAG in os.environ.get("XLA_FLAGS", ""):
     return 0
-  import jax._src.xla_bridge as xb
-  if getattr(xb, "_backends", None):
-    return 0
+  import jax
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
   n = max(d for d in range(1, cores + 1) if batch_size is None or batch_size % d == 0)
   if n > 1:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={n}").strip()
+    try:
+      jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # a backend is already running: its device count stands
+      return 0
   return n

@@ -32,10 +32,11 @@ import ml_collections
 import numpy as np
 from jaxtyping import Float
 
-from mdlm_jax import config as config_lib, params_only, safetensors
+from mdlm_jax import config as config_lib
+from mdlm_jax.checkpoints import params_only, safetensors
 from mdlm_jax.model import ModelConfig
-from mdlm_jax.hf_tokenizer import HFTokenizer
-from mdlm_jax.tokenizer import Tokenizer
+from mdlm_jax.data.hf_tokenizer import HFTokenizer
+from mdlm_jax.data.tokenizer import Tokenizer
 
 FORMATS = ("llada", "dream")
 MODEL_TYPES = {"llada": "llada", "dream": "Dream"}
@@ -125,8 +126,8 @@ def hf_name(fmt: str, native: str) -> tuple[str, str]:
 
 
 def _native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  from mdlm_jax import builder
-  return {k: tuple(v.shape) for k, v in params_only.flatten(builder.model_spec(cfg, None).abstract).items()}
+  from mdlm_jax.model.spec import model_spec
+  return {k: tuple(v.shape) for k, v in params_only.flatten(model_spec(cfg, None).abstract).items()}
 
 
 def _check_exportable(fmt: str, cfg: ModelConfig):

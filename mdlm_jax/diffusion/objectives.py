@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mdlm_jax import block_diffusion, diffusion
+from mdlm_jax import diffusion
+from mdlm_jax.diffusion import bd3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +58,14 @@ class BD3Objective(MDLMObjective):
     """NELBO sum in nats and the token count; `t` [b, L / block_size]
     overrides the sampled per-block times."""
     b, l = tokens.shape
-    n = block_diffusion.count_blocks(l, self.block_size)
+    n = bd3.count_blocks(l, self.block_size)
     k_t, k_mask = jax.random.split(key)
     if t is None:
-      t = block_diffusion.sample_block_times(k_t, b, n, antithetic=self.antithetic,
+      t = bd3.sample_block_times(k_t, b, n, antithetic=self.antithetic,
                                              sampling_eps=self.sampling_eps, t_max=self.t_max)
-    xt, masked = block_diffusion.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
-    logits = block_diffusion.block_logits(model, xt, tokens, self.block_size)
-    per_token = block_diffusion.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+    xt, masked = bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
+    logits = bd3.block_logits(model, xt, tokens, self.block_size)
+    per_token = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
     return per_token.sum(), jnp.asarray(tokens.size, jnp.float32)
 
 

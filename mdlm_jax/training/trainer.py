@@ -16,12 +16,18 @@ import ml_collections
 import numpy as np
 import optax
 
-from mdlm_jax import builder, checkpoint, config as config_lib, data, distributed, evaluation, flops, objectives, sharding
-from mdlm_jax.builder import LoadedModel, ModelSpec, bind, init_params, model_spec
-from mdlm_jax.hf_tokenizer import HFTokenizer
-from mdlm_jax.metrics import MetricsLog, format_duration, plot_loss_curve
+from mdlm_jax import config as config_lib, data
+from mdlm_jax.checkpoints import checkpointer
+from mdlm_jax.parallel import distributed, sharding
+from mdlm_jax.training import evaluation, flops
+from mdlm_jax.diffusion import objectives
+from mdlm_jax import checkpoints
+from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.model.spec import ModelSpec, bind, init_params, model_spec
+from mdlm_jax.data.hf_tokenizer import HFTokenizer
+from mdlm_jax.training.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
-from mdlm_jax.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
+from mdlm_jax.data.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
 
 
 def log(msg: str):
@@ -120,7 +126,7 @@ def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None,
   `train.init_from` model's, else one trained on the training split. Trained
   once, on process 0, and broadcast."""
   if resumed_meta is not None:
-    return load_tokenizer_bytes(checkpoint.meta_tokenizer_bytes(resumed_meta))
+    return load_tokenizer_bytes(checkpointer.meta_tokenizer_bytes(resumed_meta))
   if init is not None:
     if config.data.tokenizer and Tokenizer.from_file(config.data.tokenizer).to_bytes() != init.tokenizer.to_bytes():
       raise config_lib.ConfigError(f"config.data.tokenizer={config.data.tokenizer} differs from the tokenizer of"
@@ -151,7 +157,7 @@ def load_init(config, mesh) -> LoadedModel | None:
     return None
   if not os.path.exists(path):
     raise FileNotFoundError(f"config.train.init_from: no such checkpoint {path}")
-  return builder.load(path, mesh)
+  return checkpoints.load(path, mesh)
 
 
 def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str):
@@ -199,16 +205,16 @@ def _same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
   cur = json.loads(current.to_json_best_effort())
   for k, v in cur["model"].items():
     if saved["model"].get(k) != v:
-      raise checkpoint.CheckpointError(
+      raise checkpointer.CheckpointError(
           f"the workdir's checkpoint has model.{k}={saved['model'].get(k)!r} but the config says {v!r};"
           " use a new --workdir or the same model config")
   saved_block = saved.get("diffusion", {}).get("block_size", 0)
   if saved_block != cur["diffusion"].get("block_size", 0):
-    raise checkpoint.CheckpointError(
+    raise checkpointer.CheckpointError(
         f"the workdir's checkpoint has diffusion.block_size={saved_block} but the config says"
         f" {cur['diffusion'].get('block_size', 0)}; use a new --workdir")
   if saved.get("objective") != cur["objective"]:
-    raise checkpoint.CheckpointError(f"the workdir's checkpoint was trained with objective"
+    raise checkpointer.CheckpointError(f"the workdir's checkpoint was trained with objective"
                                      f" {saved.get('objective')!r}, the config says {cur['objective']!r}")
 
 
@@ -225,11 +231,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   is_main = jax.process_index() == 0
   mesh = sharding.make_mesh(config.mesh)
   check_batch_layout(config, mesh)
-  ckpt = checkpoint.Checkpointer(workdir, every=config.train.checkpoint_every,
+  ckpt = checkpointer.Checkpointer(workdir, every=config.train.checkpoint_every,
                                  keep=config.train.keep_checkpoints)
   resumed_meta = None
   if ckpt.latest_step() is not None:
-    resumed_meta = checkpoint.read_meta(workdir)[0]
+    resumed_meta = checkpointer.read_meta(workdir)[0]
     _same_model(resumed_meta["config"], config)
 
   train_docs = data.load_documents(config.data.corpus, "train", config.data.validation_fraction,
@@ -245,7 +251,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   eval_objective = objectives.from_config(config, tokenizer.mask_id)
   optimizer, lr_schedule = make_optimizer(config.optim, config.train.num_steps)
   use_ema = config.optim.ema_decay > 0
-  meta = checkpoint.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
+  meta = checkpointer.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
 
   local_batch = config.data.batch_size // jax.process_count()
   it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
@@ -262,8 +268,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     opt_state = jax.jit(optimizer.init)(params)
     train_state = {"step": jnp.zeros((), jnp.int32), "opt_state": opt_state}
     if resumed_meta is not None:
-      w_abs = checkpoint.abstract_like(weights)
-      t_abs = checkpoint.abstract_like(train_state)
+      w_abs = checkpointer.abstract_like(weights)
+      t_abs = checkpointer.abstract_like(train_state)
       del weights, train_state, params, opt_state
       weights, train_state, _ = ckpt.restore(w_abs, t_abs, it)
     step = int(train_state["step"])

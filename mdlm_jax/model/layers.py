@@ -11,9 +11,9 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax import kernels
-from mdlm_jax.kv_cache import KVCache
-from mdlm_jax.precision import PARAM_DTYPE, STATS_DTYPE
-from mdlm_jax.sharding import constrain
+from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.model.precision import PARAM_DTYPE, STATS_DTYPE
+from mdlm_jax.parallel.sharding import constrain
 
 
 def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None]) -> nnx.Param:

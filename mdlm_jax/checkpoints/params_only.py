@@ -27,9 +27,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from mdlm_jax import hf_tokenizer, safetensors
-from mdlm_jax.hf_tokenizer import HFTokenizer
-from mdlm_jax.tokenizer import Tokenizer
+from mdlm_jax.data import hf_tokenizer
+from mdlm_jax.checkpoints import safetensors
+from mdlm_jax.data.hf_tokenizer import HFTokenizer
+from mdlm_jax.data.tokenizer import Tokenizer
 
 FORMAT = "mdlm_jax.params"
 VERSION = 2  # 2: tokenizer.json folders; sentencepiece ones are still written as 1

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdlm_jax import diffusion, sharding
-from mdlm_jax.builder import ModelSpec, bind
-from mdlm_jax.objectives import MDLMObjective
+from mdlm_jax import diffusion
+from mdlm_jax.parallel import sharding
+from mdlm_jax.model.spec import ModelSpec, bind
+from mdlm_jax.diffusion.objectives import MDLMObjective
 
 
 def make_eval_step(spec: ModelSpec, objective):

@@ -15,10 +15,10 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax.kernels import AttentionMask, HeadInput
-from mdlm_jax.kv_cache import KVCache
-from mdlm_jax.layers import MLP, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
-from mdlm_jax.precision import compute_dtype
-from mdlm_jax.sharding import constrain
+from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.model.layers import MLP, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
+from mdlm_jax.model.precision import compute_dtype
+from mdlm_jax.parallel.sharding import constrain
 
 
 @dataclasses.dataclass(frozen=True)

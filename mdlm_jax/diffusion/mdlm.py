@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-NEG_INF = -1e9  # finite, so 0 * NEG_INF stays 0 under autodiff
+from mdlm_jax.kernels.numerics import NEG_INF
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,7 @@ class Checkpointer:
     self.manager.close()
 
 
-def _steps(root: str) -> list[int]:
+def saved_steps(root: str) -> list[int]:
   """Finalised step folders (orbax renames a step into place only when complete)."""
   if not os.path.isdir(root):
     return []
@@ -109,7 +109,7 @@ def resolve(path: str) -> tuple[str, int]:
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint path {path} does not exist")
   for root in (os.path.join(path, "checkpoints"), path):
-    steps = _steps(root)
+    steps = saved_steps(root)
     if steps:
       return root, steps[-1]
   parent, name = os.path.split(path)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mdlm_jax.tokenizer import HF_MAGIC as MAGIC, checked_ids
+from mdlm_jax.data.tokenizer import HF_MAGIC as MAGIC, checked_ids
 
 SPECIALS = ("mask", "bos", "eos", "pad")
 FILE = "tokenizer.json"

@@ -12,7 +12,7 @@ import os
 
 DIFFUSION = "bd3_code_small"
 AR = "ar_code_small"
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 
 
 def path(name: str = DIFFUSION) -> str:

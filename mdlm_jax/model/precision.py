@@ -7,8 +7,9 @@ softmax, logits and losses are always float32.
 
 import jax.numpy as jnp
 
+from mdlm_jax.kernels.numerics import LOGITS_DTYPE, NEG_INF  # noqa: F401  (part of the policy)
+
 PARAM_DTYPE = jnp.float32
-LOGITS_DTYPE = jnp.float32
 STATS_DTYPE = jnp.float32
 
 

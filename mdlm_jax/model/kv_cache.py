@@ -16,8 +16,8 @@ from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax.kernels import AttentionMask
-from mdlm_jax.precision import compute_dtype
-from mdlm_jax.sharding import constrain
+from mdlm_jax.model.precision import compute_dtype
+from mdlm_jax.parallel.sharding import constrain
 
 if TYPE_CHECKING:
   from mdlm_jax.model import ModelConfig

@@ -146,11 +146,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   mesh = _current_mesh()
   if mesh is None:
     return x
-  spec = _fit_spec(logical_to_spec(names), x.shape, dict(mesh.shape))
+  spec = fit_spec(logical_to_spec(names), x.shape, dict(mesh.shape))
   return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _fit_spec(spec: P, shape, axis_sizes: dict[str, int]) -> P:
+def fit_spec(spec: P, shape, axis_sizes: dict[str, int]) -> P:
   """Drops mesh axes that do not divide the dimension they would shard."""
   out = []
   for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -175,7 +175,7 @@ def param_shardings(state, mesh: Mesh):
 
   def one(v):
     names = v.get_metadata().get("logical_axes") if isinstance(v, nnx.Variable) else None
-    spec = _fit_spec(logical_to_spec(names), v.shape, sizes) if names else P()
+    spec = fit_spec(logical_to_spec(names), v.shape, sizes) if names else P()
     return NamedSharding(mesh, spec)
 
   return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

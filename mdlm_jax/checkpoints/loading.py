@@ -1,0 +1,80 @@
+"""Loading any checkpoint this package reads into params on a mesh.
+
+Training checkpoints (EMA weights when present), params-only folders and
+LLaDA/Dream-layout folders all come back as one `LoadedModel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from mdlm_jax.checkpoints import checkpointer, params_only
+from mdlm_jax.data.hf_tokenizer import HFTokenizer
+from mdlm_jax.data.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes
+from mdlm_jax.model.spec import ModelSpec, bind, model_spec
+from mdlm_jax.model.transformer import ModelConfig, Transformer
+from mdlm_jax.parallel import sharding
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  spec: ModelSpec
+  params: Any
+  tokenizer: Tokenizer | HFTokenizer
+  config: ml_collections.ConfigDict
+  step: int
+  has_ema: bool
+
+  @property
+  def model(self) -> Transformer:
+    return bind(self.spec, self.params)
+
+
+def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
+  """Loads a training checkpoint (EMA weights when present), a params-only
+  folder (`params_only`) or a LLaDA/Dream-layout folder with a sentencepiece
+  tokenizer.model or a Hugging Face tokenizer.json (`interop`) for inference.
+
+  The checkpoint may come from any mesh; it is resharded onto `mesh` (by
+  default one device)."""
+  if mesh is None:
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  if params_only.is_params_dir(path):
+    return _load_params_only(path, mesh)
+  from mdlm_jax.checkpoints import interop
+  if interop.hf_format(path) is not None:
+    config, tokenizer, named, step = interop.read(path)
+    return _place(path, config, tokenizer, named, step, mesh)
+  meta, root, step = checkpointer.read_meta(path)
+  config = checkpointer.meta_config(meta)
+  tokenizer = load_tokenizer_bytes(checkpointer.meta_tokenizer_bytes(meta))
+  cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
+  spec = model_spec(cfg, mesh)
+  abstract = checkpointer.abstract_like(spec.abstract, spec.shardings)
+  want_ema = use_ema and meta.get("has_ema", False)
+  target = {"params": abstract, "ema": abstract} if meta.get("has_ema", False) else {"params": abstract}
+  state = checkpointer.restore_weights(root, step, target)
+  params = state["ema"] if want_ema else state["params"]
+  return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)))
+
+
+def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
+  meta, tokenizer, named = params_only.read(path)
+  config = ml_collections.ConfigDict(meta["config"])
+  return _place(path, config, tokenizer, named, int(meta.get("step", 0)), mesh)
+
+
+def _place(path: str, config: ml_collections.ConfigDict, tokenizer: Tokenizer | HFTokenizer, named, step: int,
+           mesh: Mesh) -> LoadedModel:
+  """Named host arrays -> params sharded onto `mesh`, checked against the config's shapes."""
+  cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
+  spec = model_spec(cfg, mesh)
+  host = params_only.unflatten_like(spec.abstract, named, path)
+  # Every process holds the whole file; each places the slices of its own devices.
+  params = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda i: a[i]), host, spec.shardings)
+  return LoadedModel(spec, params, tokenizer, config, step, False)

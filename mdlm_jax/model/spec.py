@@ -1,0 +1,84 @@
+"""Model construction: abstract shapes, sharded initialisation, weight layouts.
+
+Parameters live as a pure dict of arrays (the shape orbax and optax like);
+`bind` turns them back into an nnx module inside or outside jit. Functions
+that take a loaded model accept anything with `spec` and `params` fields
+(`checkpoints.LoadedModel`) and hand back a copy of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from mdlm_jax.model.transformer import ModelConfig, Transformer, convert_weight_layout
+from mdlm_jax.parallel import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Everything needed to rebuild the module around a params dict."""
+
+  cfg: ModelConfig
+  graphdef: Any
+  abstract: Any  # pure dict of ShapeDtypeStruct
+  shardings: Any  # pure dict of NamedSharding (None without a mesh)
+
+
+def model_spec(cfg: ModelConfig, mesh: Mesh | None) -> ModelSpec:
+  abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract_model)
+  shardings = nnx.to_pure_dict(sharding.param_shardings(state, mesh)) if mesh is not None else None
+  return ModelSpec(cfg, graphdef, nnx.to_pure_dict(state), shardings)
+
+
+def init_params(spec: ModelSpec, seed: int):
+  """Initialises directly into the sharded layout (no full host copy)."""
+
+  def init():
+    return nnx.to_pure_dict(nnx.state(Transformer(spec.cfg, rngs=nnx.Rngs(seed))))
+
+  return jax.jit(init, out_shardings=spec.shardings)()
+
+
+def with_weight_layout(loaded: Any, layout: str) -> Any:
+  """The same model with its matmul weights stored in `layout` (a copy on the
+  same devices and shardings; the input is unchanged)."""
+  cfg = loaded.spec.cfg
+  if cfg.weight_layout == layout:
+    return loaded
+  first = jax.tree.leaves(loaded.params)[0].sharding
+  spec = model_spec(dataclasses.replace(cfg, weight_layout=layout),
+                    first.mesh if isinstance(first, jax.sharding.NamedSharding) else None)
+  convert = functools.partial(convert_weight_layout, cfg=cfg, to=layout)
+  params = jax.jit(convert, out_shardings=spec.shardings)(loaded.params)
+  return dataclasses.replace(loaded, spec=spec, params=params)
+
+
+def for_decoding(loaded: Any, layout: str | None = None) -> Any:
+  """The model in weight layout `layout`, by default the one that decodes
+  fastest where its params live: "out_in" on CPU (a few token rows per pass
+  read an [out, in] weight up to 2.5x faster there), as loaded elsewhere."""
+  if layout is None:
+    platform = next(iter(jax.tree.leaves(loaded.params)[0].devices())).platform
+    layout = "out_in" if platform == "cpu" else loaded.spec.cfg.weight_layout
+  return with_weight_layout(loaded, layout)
+
+
+def decoding_pair(loaded: Any, layout: str | None = None) -> tuple[Any, Any]:
+  """(model for passes over few token rows, model for more): both in `layout`
+  when given; else, on CPU, the [out, in] copy and the trained layout (past
+  layers.FEW_ROWS rows the trained layout is the faster); elsewhere as loaded."""
+  few = for_decoding(loaded, layout)
+  if layout is not None or few is loaded:
+    return few, few
+  return few, with_weight_layout(loaded, "in_out")
+
+
+def bind(spec: ModelSpec, params) -> Transformer:
+  return nnx.merge(spec.graphdef, params)

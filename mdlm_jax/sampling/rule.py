@@ -1,0 +1,152 @@
+"""The one refinement rule every diffusion decoder here applies, once per pass:
+
+1. propose: at each undecided position, a token x0 (Gumbel-max at the row's
+   temperature over its top-p nucleus; argmax at temperature 0) and its
+   probability under the untempered p(x0), [MASK] excluded (SUBS);
+2. commit: every proposal at least `threshold` sure, and never fewer than
+   `min_tokens` (the most confident first). Fast-dLLM's rule is
+   (0.9, 1); LLaDA's low-confidence top-k is (never, k).
+
+Both are vectorised over rows with per-row settings, so requests of different
+efforts share one pass (the engine), and the one-shot samplers call the same
+functions with their settings broadcast over the batch.
+
+Noise: a row's draw at a position depends only on the row's key, the pass
+(`keys` are folded per pass by the caller) and the position's column in the
+generation region, so a row decodes the same alone or in any batch, and a
+block decoded against a KV cache draws what it would draw in the full canvas.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from mdlm_jax import kernels
+from mdlm_jax.kernels.numerics import NEG_INF
+from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
+
+NEVER = 2.0  # a threshold no probability reaches: commit by rank alone
+
+
+@struct.dataclass
+class Decoding:
+  """Per-row settings of the rule, each an array over rows (a pytree: jit
+  traces it, and the engine keeps one row per slot)."""
+  threshold: Float[Array, "b"]
+  min_tokens: Int[Array, "b"]
+  temperature: Float[Array, "b"]
+  top_p: Float[Array, "b"]
+
+  @classmethod
+  def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
+                top_p: float = 1.0) -> "Decoding":
+    full = lambda v, dtype: jnp.full((rows,), v, dtype)  # noqa: E731
+    return cls(full(threshold, jnp.float32), full(min_tokens, jnp.int32), full(temperature, jnp.float32),
+               full(top_p, jnp.float32))
+
+  def put(self, row, other: "Decoding") -> "Decoding":
+    """This with row `row` replaced by `other`'s single row."""
+    return jax.tree.map(lambda a, b: a.at[row].set(jnp.reshape(b, ()).astype(a.dtype)), self, other)
+
+
+def pass_keys(key_data: jax.Array, *ids) -> jax.Array:
+  """Per-row keys [B, 2] for one pass: each row's key folded with the pass's
+  identifiers (scalars or per-row arrays: block, step, ...)."""
+  def one(k, *row_ids):
+    k = jax.random.wrap_key_data(k)
+    for i in row_ids:
+      k = jax.random.fold_in(k, i)
+    return jax.random.key_data(k)
+  b = key_data.shape[0]
+  return jax.vmap(one)(key_data, *(jnp.broadcast_to(jnp.asarray(i, jnp.int32), (b,)) for i in ids))
+
+
+def row_keys(seeds: Int[Array, "b"]) -> jax.Array:
+  """Key data [B, 2] of one PRNG key per row, from per-row seeds."""
+  return jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(jnp.asarray(seeds, jnp.uint32))
+
+
+def noise_words(keys: jax.Array, columns, vocab: int) -> jax.Array:
+  """Random words [2, B, T, V]; row b, column t from keys[b] and its column
+  alone. `columns`: [T] shared by the rows, or [B, T]."""
+  columns = jnp.asarray(columns, jnp.int32)
+  columns = jnp.broadcast_to(columns, (keys.shape[0], columns.shape[-1]))
+
+  def row(k, cols):
+    k = jax.random.wrap_key_data(k)
+    return jax.vmap(lambda c: random_words(jax.random.fold_in(k, c), (vocab,)))(cols)  # [T, 2, V]
+  return jnp.transpose(jax.vmap(row)(keys, columns), (2, 0, 1, 3))
+
+
+def propose(logits, keys: jax.Array, columns, mask_id: int, temperature, top_p=1.0):
+  """(x0 [B, T] int32, confidence [B, T] float32) for one pass; `keys` [B, 2]
+  this pass's row keys (`pass_keys`), `columns` [T] or [B, T] the positions'
+  columns in the generation region.
+
+  `temperature`, `top_p`: Python floats (settings fixed at trace time) or
+  per-row arrays [B]. `logits` may be a `kernels.HeadInput`: with a static
+  temperature and no nucleus, the fused confidence head samples from the same
+  noise bits without materialising the logits where a kernel runs."""
+  static = isinstance(temperature, (int, float)) and isinstance(top_p, (int, float))
+  if isinstance(logits, kernels.HeadInput):
+    head = logits
+    if head.fused and static and top_p >= 1.0:
+      bits = noise_words(keys, columns, head.w_dv.shape[1])[0] if temperature > 0 else None
+      x0, conf, _ = kernels.confidence_head(head.hidden, head.w_dv, bits,
+                                            kernels.HeadSettings(float(temperature), mask_id),
+                                            implementation=head.implementation)
+      return x0, conf
+    logits = head.logits()
+  logits = logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def sampled():
+    b, t, v = logits.shape
+    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))
+    scaled = logits / jnp.where(temp > 0, temp, 1.0)[:, None, None]
+    if not (static and top_p >= 1.0):
+      nucleus = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))[:, None, None]
+      scaled = lax.cond(jnp.any(nucleus < 1), lambda: top_p_filter(scaled, nucleus), lambda: scaled)
+    x = gumbel_argmax(scaled, noise_words(keys, columns, v))
+    return jnp.where((temp > 0)[:, None], x, greedy)
+
+  if static:
+    x0 = sampled() if temperature > 0 else greedy
+  else:
+    x0 = lax.cond(jnp.any(jnp.asarray(temperature) > 0), sampled, lambda: greedy)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])
+  return x0, conf
+
+
+def rank_desc(scores):
+  """0 for the largest score of each row, 1 for the next, ... (ties by index)."""
+  order = jnp.argsort(-scores, axis=-1, stable=True)
+  return jnp.argsort(order, axis=-1, stable=True)
+
+
+def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold, min_tokens) -> Bool[Array, "b t"]:
+  """Which candidates to commit: those at least `threshold` sure, and the
+  `min_tokens` most confident of each row ([B] arrays or scalars)."""
+  conf = jnp.where(candidates, conf, -1.0)
+  top = rank_desc(conf) < jnp.asarray(min_tokens)[..., None]
+  return candidates & ((conf >= jnp.asarray(threshold)[..., None]) | top)
+
+
+def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float) -> None:
+  """The one validator of the rule's settings (ValueError naming the field)."""
+  if not 0.0 <= threshold <= 1.0 and threshold != NEVER:
+    raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+  if min_tokens < 1:
+    raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+  if not 0.0 <= temperature <= 100.0:
+    raise ValueError(f"temperature must be in [0, 100], got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+__all__ = ["Decoding", "NEVER", "check", "commit", "noise_words", "pass_keys", "propose", "rank_desc", "row_keys"]
