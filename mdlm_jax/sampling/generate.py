@@ -169,7 +169,8 @@ class Generator:
       per_row = 2 * sampler.block_size if getattr(sampler, "kv_cache", False) else canvas.tokens.shape[1]
       many = len(prompts) * per_row > FEW_ROWS
       try:
-        out = self._run((self._many if many else self._few).params, *arrays, sampler=sampler, layout=layout, record=record_drafts, stream=on_draft is not None,
+        out = self._run((self._many if many else self._few).params, *arrays, sampler=sampler, layout=layout,
+                        record=record_drafts, stream=on_draft is not None,
                         many=many)
         out = jax.device_get(out)
       finally:

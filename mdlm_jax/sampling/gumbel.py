@@ -32,13 +32,6 @@ def random_words(key, shape) -> jax.Array:
   return jax.random.bits(key, (2, *shape), jnp.uint32)
 
 
-def column_words(key, b: int, v: int, columns) -> jax.Array:
-  """Words [2, B, T, V] whose column t depends only on (key, columns[t]): a
-  block decoded alone draws the same noise as inside the whole canvas."""
-  per_col = jax.vmap(lambda c: random_words(jax.random.fold_in(key, c), (b, v)))  # [T, 2, B, V]
-  return jnp.transpose(per_col(columns), (1, 2, 0, 3))
-
-
 def gumbel_argmax(logits: jax.Array, words: jax.Array, temperature: float = 1.0,
                   float64: bool | None = None) -> jax.Array:
   """argmax(logits / temperature + Gumbel) over the last axis, int32; `words`

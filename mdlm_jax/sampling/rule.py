@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
@@ -44,9 +45,9 @@ class Decoding:
   @classmethod
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0) -> "Decoding":
-    full = lambda v, dtype: jnp.full((rows,), v, dtype)  # noqa: E731
-    return cls(full(threshold, jnp.float32), full(min_tokens, jnp.int32), full(temperature, jnp.float32),
-               full(top_p, jnp.float32))
+    full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
+    return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(temperature, np.float32),
+               full(top_p, np.float32))
 
   def put(self, row, other: "Decoding") -> "Decoding":
     """This with row `row` replaced by `other`'s single row."""
