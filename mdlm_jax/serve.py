@@ -1,5 +1,5 @@
 """python -m mdlm_jax.serve [--checkpoint=DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--slots N]
-    [--weight-layout in_out|out_in]
+    [--weight-layout in_out|out_in] [--cors-origins=https://a.example,...] [--log-requests]
 
 Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
 API: /v1/models, /v1/chat/completions, /v1/completions, /v1/fim/completions,
@@ -40,6 +40,10 @@ def parse(argv):
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)
+  p.add_argument("--cors-origins", default="",
+                 help="comma-separated browser origins allowed to call the API (CORS), or '*'; none by default")
+  p.add_argument("--log-requests", action="store_true",
+                 help="one line per finished request on stderr: id, endpoint, user, tokens, finish reasons")
   p.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process serving)")
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
@@ -89,13 +93,23 @@ def build(a):
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))
-  return engine, create_app(engine, model_id=model_id, api_key=api_key_from_env(a.api_key), limits=limits)
+  origins = [o.strip() for o in a.cors_origins.split(",") if o.strip()]
+  return engine, create_app(engine, model_id=model_id, api_key=api_key_from_env(a.api_key), limits=limits,
+                            cors_origins=origins)
 
 
 def main(argv=None):
   a = parse(sys.argv[1:] if argv is None else argv)
   from absl import logging
   logging.set_verbosity(logging.ERROR)
+  if a.log_requests:
+    import logging as std_logging
+    handler = std_logging.StreamHandler()
+    handler.setFormatter(std_logging.Formatter("%(asctime)s %(message)s"))
+    server_log = std_logging.getLogger("mdlm_jax.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(std_logging.INFO)
+    server_log.propagate = False
   from mdlm_jax import cli
   cli.drop_closed_loop_noise()
   try:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_config
+from tests.conftest import REPO, load_config
 from mdlm_jax import config as config_lib
 from mdlm_jax.checkpoints import checkpointer
 from mdlm_jax.training import trainer

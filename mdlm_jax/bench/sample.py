@@ -105,33 +105,16 @@ def reference_quality(examples, tokenizer, scorer) -> dict:
 
 
 class GenPPL:
-  """The AR twin's NLL of completions given their prompts."""
+  """The AR twin's NLL of completions given their prompts (`evaluation.Scorer`)."""
 
   def __init__(self, ar_loaded):
-    import jax
-    import jax.numpy as jnp
-    from mdlm_jax import diffusion
-    from mdlm_jax.model.spec import bind
-    self.loaded = ar_loaded
-    spec = ar_loaded.spec
-
-    @jax.jit
-    def nll(params, tokens, weights):
-      logits = bind(spec, params)(tokens)
-      per = diffusion.ar_nll(logits, tokens)
-      return jnp.sum(per * weights[:, 1:], axis=-1)
-
-    self._nll = nll
+    from mdlm_jax.diffusion.objectives import ARObjective
+    from mdlm_jax.training.evaluation import Scorer
+    self._scorer = Scorer(ar_loaded.spec, ARObjective(), ar_loaded.params)
 
   def __call__(self, prompt_ids: list[int], completion_ids: list[int]) -> tuple[float, int]:
-    import numpy as np
-    ids = prompt_ids + completion_ids
-    width = -(-len(ids) // 64) * 64
-    tokens = np.full((1, width), self.loaded.tokenizer.pad_id, np.int32)
-    weights = np.zeros((1, width), np.float32)
-    tokens[0, :len(ids)] = ids
-    weights[0, len(prompt_ids):len(ids)] = 1.0
-    return float(self._nll(self.loaded.params, tokens, weights)[0]), len(completion_ids)
+    nll, count = self._scorer([list(prompt_ids) + list(completion_ids)], context=[len(prompt_ids)])
+    return float(nll[0]), int(count[0])
 
 
 def fastest(run, repeats: int):

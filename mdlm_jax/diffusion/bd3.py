@@ -83,14 +83,17 @@ def block_forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b
   return jnp.where(masked, mask_id, x0), masked
 
 
-def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size: int) -> Float[Array, "b l v"]:
-  """Logits of the x_t half of one forward pass over [x_t ; x_0]."""
+def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size: int,
+                 valid: Bool[Array, "b l"] | None = None) -> Float[Array, "b l v"]:
+  """Logits of the x_t half of one forward pass over [x_t ; x_0]; no token
+  attends to padding (`valid` False) in either half."""
   b, l = xt.shape
   tokens = jnp.concatenate([xt, x0], axis=1)
   positions = jnp.broadcast_to(jnp.asarray(block_positions(l)), (b, 2 * l))
   count_blocks(l, block_size)
   # Structural, so a kernel builds it per tile; equal to `block_attention_mask`.
-  mask = kernels.AttentionMask(kind="block_diffusion", block_size=block_size)
+  kv_valid = None if valid is None else jnp.concatenate([valid, valid], axis=1)
+  mask = kernels.AttentionMask(kind="block_diffusion", block_size=block_size, kv_valid=kv_valid)
   hidden = model.hidden_states(tokens, None, positions, mask)
   if not model.cfg.shift_logits:
     # Only the x_t half is scored: skip the vocabulary projection of the x_0 half.

@@ -2,6 +2,8 @@
 
 Both return sums, not means, so that gradient accumulation and evaluation can
 combine micro-batches exactly: (sum of per-token losses, number of tokens).
+`per_token` gives the terms themselves, for scoring rows one by one
+(`training.evaluation.Scorer`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mdlm_jax import diffusion
+from mdlm_jax import diffusion, kernels
 from mdlm_jax.diffusion import bd3
 
 
@@ -24,17 +26,29 @@ class MDLMObjective:
   sampling_eps: float = 1e-3
   t_max: float = 1.0  # < 1 only in training (BD3-LM's clipped schedule); evaluation draws up to 1.
 
+  context_tokens = 0  # leading tokens of a row that are never scored
+
   def __call__(self, model, tokens, key, t=None):
     """NELBO sum over the batch in nats, and the token count. `t` overrides
     the sampled times (evaluation uses a fixed, seeded set)."""
+    return self.per_token(model, tokens, key, t).sum(), jnp.asarray(tokens.size, jnp.float32)
+
+  def per_token(self, model, tokens, key, t=None, valid=None) -> jax.Array:
+    """Each token's NELBO term in nats [b, l]. `valid` [b, l]: padding the
+    model never attends to (its terms are still there, for the caller to drop)."""
     k_t, k_mask = jax.random.split(key)
     if t is None:
       t = diffusion.sample_times(k_t, tokens.shape[0], antithetic=self.antithetic,
                                  sampling_eps=self.sampling_eps, t_max=self.t_max)
     xt, masked = diffusion.forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
-    logits = model(xt, t if self.time_conditioning else None)
-    per_token = diffusion.nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
-    return per_token.sum(), jnp.asarray(tokens.size, jnp.float32)
+    cond = t if self.time_conditioning else None
+    logits = model(xt, cond) if valid is None else model(xt, cond, None, kernels.AttentionMask(kv_valid=valid))
+    return diffusion.nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+
+  def fixed_times(self, batch: int, length: int, u: float) -> jax.Array:
+    """Every row (and block) at the same time t = u: rows scored side by side
+    are compared at equal noise levels."""
+    return jnp.full((batch,), u, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +68,9 @@ class BD3Objective(MDLMObjective):
     if self.time_conditioning:
       raise ValueError("block diffusion has one t per block; the model's conditioning takes one per sequence")
 
-  def __call__(self, model, tokens, key, t=None):
-    """NELBO sum in nats and the token count; `t` [b, L / block_size]
-    overrides the sampled per-block times."""
+  def per_token(self, model, tokens, key, t=None, valid=None) -> jax.Array:
+    """Each token's NELBO term [b, l]; `t` [b, L / block_size] overrides the
+    sampled per-block times."""
     b, l = tokens.shape
     n = bd3.count_blocks(l, self.block_size)
     k_t, k_mask = jax.random.split(key)
@@ -64,17 +78,30 @@ class BD3Objective(MDLMObjective):
       t = bd3.sample_block_times(k_t, b, n, antithetic=self.antithetic,
                                              sampling_eps=self.sampling_eps, t_max=self.t_max)
     xt, masked = bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
-    logits = bd3.block_logits(model, xt, tokens, self.block_size)
-    per_token = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
-    return per_token.sum(), jnp.asarray(tokens.size, jnp.float32)
+    logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
+    return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+
+  def fixed_times(self, batch: int, length: int, u: float) -> jax.Array:
+    return jnp.full((batch, bd3.count_blocks(length, self.block_size)), u, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class ARObjective:
+  context_tokens = 1  # nothing predicts a row's first token
+
   def __call__(self, model, tokens, key=None, t=None):
     del key, t
     nll = diffusion.ar_nll(model(tokens), tokens)
     return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+
+  def per_token(self, model, tokens, key=None, t=None, valid=None) -> jax.Array:
+    """-log p(x_i | x_<i) [b, l], 0 at i = 0. Causal attention never reads
+    right padding, so `valid` changes nothing."""
+    del key, t, valid
+    return jnp.pad(diffusion.ar_nll(model(tokens), tokens), ((0, 0), (1, 0)))
+
+  def fixed_times(self, batch: int, length: int, u: float) -> None:
+    return None  # exact: no time to draw
 
 
 def from_config(config, mask_id: int, training: bool = False):

@@ -32,7 +32,8 @@ from mdlm_jax.model.spec import decoding_pair
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling import presets, rule
-from mdlm_jax.sampling.generate import MASK_TEXT, draft_text, truncate_at_stop
+from mdlm_jax.sampling.finish import finish
+from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
 from mdlm_jax.sampling.samplers import ThresholdSampler
 
 
@@ -208,6 +209,7 @@ class Engine:
     self._stop = False
     self._thread: threading.Thread | None = None
     self.stats = collections.Counter()
+    self._finish_reasons: collections.Counter[str] = collections.Counter()
     self.error: BaseException | None = None
 
   # -- public API -----------------------------------------------------------
@@ -228,6 +230,11 @@ class Engine:
   def active_requests(self) -> int:
     with self._lock:
       return sum(h is not None for h in self._slots)
+
+  def finish_reasons(self) -> dict[str, int]:
+    """How many requests ended each way: stop, length, cancelled, error."""
+    with self._lock:
+      return dict(self._finish_reasons)
 
   def start(self) -> "Engine":
     if self._thread is None:
@@ -282,6 +289,29 @@ class Engine:
     encoded = (per_token - 2 * cfg.embed_dim * cfg.vocab_size) * self.sc.block_size if with_head else 0.0
     return self._rows_for(slots) * (scored + encoded)
 
+  def weight_layout_for(self, token_rows: int) -> str:
+    """The weight layout a pass or prefill over this many token rows reads."""
+    return self._programs_for(token_rows)[0].spec.cfg.weight_layout
+
+  @property
+  def cache_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the slots' key and value buffers."""
+    return tuple(self._state.cache.k.shape), tuple(self._state.cache.v.shape)
+
+  def pass_hlo(self, slots: int, with_head: bool) -> str:
+    """The optimised HLO of the pass over `slots` slots, for inspection (what
+    a pass copies or rewrites). Call before start()."""
+    rows = self._rows_for(slots)
+    model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
+    with self._mesh_context():
+      return step.lower(model.params, self._state, rows=rows, with_head=with_head).compile().as_text()
+
+  def compiled(self) -> dict[str, int]:
+    """How many pass and prefill programs are compiled, over both weight layouts."""
+    programs = {id(p): p for p in (self._few, self._many)}.values()
+    return {"passes": sum(p[2]._cache_size() for p in programs),
+            "prefills": sum(p[1]._cache_size() for p in programs)}
+
   def submit(self, request: Request, *, want_drafts: bool = False) -> Handle:
     self._check(request)
     h = Handle(request, want_drafts)
@@ -302,7 +332,7 @@ class Engine:
       waiting, self._waiting = list(self._waiting), collections.deque()
       self._lock.notify_all()
     for h in waiting:
-      h._push(Event("done", "", "cancelled"))
+      self._end(h, Event("done", "", "cancelled"))
     end = time.monotonic() + deadline_s
     while self.active_requests() and time.monotonic() < end and self._thread is not None and self._thread.is_alive():
       time.sleep(0.01)
@@ -368,7 +398,7 @@ class Engine:
         self._waiting.clear()
         self._slots = [None] * self.num_slots
       for h in handles:
-        h._push(Event("done", "", "error"))
+        self._end(h, Event("done", "", "error"))
       raise
 
   def follow(self) -> None:
@@ -405,7 +435,7 @@ class Engine:
           break
         h = self._waiting.popleft()
         if h.cancelled:
-          h._push(Event("done", "", "cancelled"))
+          self._end(h, Event("done", "", "cancelled"))
           continue
         row = free[0]
         self._slots[row] = h
@@ -473,13 +503,7 @@ class Engine:
     return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
 
   def _pass_with_head(self, busy: list[int]) -> bool:
-    """Whether the next pass carries the finished blocks: when at least half
-    the busy slots have one waiting, or one already waited a pass. Otherwise
-    the others refine in a pass half as long, and the waiting ones catch up
-    with the next."""
-    waiting = int(self._head[busy].sum())
-    with_head = waiting > 0 and (2 * waiting >= len(busy) or self._head_waited)
-    self._head_waited = waiting > 0 and not with_head
+    with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
     return with_head
 
   def _rows_for(self, n: int) -> int:
@@ -495,6 +519,12 @@ class Engine:
       h = self._slots[row]
       self._slots[row] = None
       self._lock.notify_all()
+    self._end(h, ev)
+
+  def _end(self, h: Handle, ev: Event) -> None:
+    """Every request ends here, counted by finish reason."""
+    with self._lock:
+      self._finish_reasons[ev.finish_reason] += 1
     h._push(ev)
     self.stats["finished"] += 1
 
@@ -510,31 +540,34 @@ class Engine:
       h.blocks_seen = int(block[row])
       r = h.request
       ids = gen[row, :r.max_tokens]
-      committed = ids[:min(int(block[row]) * bs, r.max_tokens)]
-      eos = np.flatnonzero(committed == self.tok.eos_id)
-      hit_eos = bool(eos.size)
-      if hit_eos:
-        committed = committed[:eos[0]]
-      text = self.tok.decode(committed.tolist())
-      text, stopped = truncate_at_stop(text, r.stop)
-      done = stopped or hit_eos or not active[row] or len(committed) >= r.max_tokens
-      if not done:  # a character split across blocks decodes as U+FFFD until its block is in
-        text = text.rstrip("\ufffd")
+      end = finish(self.tok, ids[:int(block[row]) * bs], max_tokens=r.max_tokens, stop=r.stop,
+                   final=not active[row])
+      text, done = end.text, end.done
       if h.want_drafts:
-        tail = ids[len(committed):] if not done else ids[:0]
-        h._push(Event("draft", text + draft_text(self.tok, tail), passes=int(passes[row])))
-      # Text is final once its block is: send what was not sent yet. A prefix
-      # of tokens can decode to a little more than the final text only when a
-      # stop string cuts it, and stop strings are applied before this point.
+        # Every committed token shows in a draft, held-back text included.
+        draft = text if done else draft_text(self.tok, ids)
+        h._push(Event("draft", draft, passes=int(passes[row])))
+      # `finish` holds back what a later block could still change (a split
+      # character, the start of a stop string): the rest is sent once.
       if len(text) > len(h.emitted) and text.startswith(h.emitted):
         h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row])))
         h.emitted = text
       if done:
         if active[row]:
           self._release_next.append(row)
-        reason = "stop" if (stopped or hit_eos) else "length"
-        self._release(row, Event("done", h.emitted, reason, completion_tokens=len(committed),
+        self._release(row, Event("done", h.emitted, end.reason, completion_tokens=len(end.tokens),
                                  passes=int(passes[row])))
+
+
+def ride_with_head(waiting: np.ndarray, waited: bool) -> tuple[bool, bool]:
+  """Whether the next pass carries the finished blocks, given which busy slots
+  have one `waiting` and whether one `waited` through the last pass: when at
+  least half wait, or one already waited. Otherwise the others refine in a
+  pass half as long, and the waiting ones catch up with the next. Returns
+  (with the blocks, whether one waits through this pass)."""
+  n = int(np.sum(waiting))
+  with_head = n > 0 and (2 * n >= len(waiting) or waited)
+  return with_head, n > 0 and not with_head
 
 
 def _bucket(n: int, cap: int) -> int:

@@ -21,6 +21,7 @@ from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling import rule
+from mdlm_jax.sampling.finish import finish
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout, block_causal_mask
 
 
@@ -58,11 +59,6 @@ def draft_text(tok, ids, mask_text: str = MASK_TEXT) -> str:
   if run:
     pieces.append(tok.decode(run))
   return "".join(pieces)
-
-
-def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-  cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
-  return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 class Generator:
@@ -181,42 +177,15 @@ class Generator:
     return Result(completions, int(out["nfe"]), int(out["steps"]), seconds)
 
   def nelbo_per_token(self, rows: Sequence[Sequence[int]], *, time_samples: int = 16, seed: int = 0) -> np.ndarray:
-    """Monte Carlo NELBO (nats/token) of each token row under the model, with
-    fixed (seeded, antithetic) times: comparable across rows and calls."""
-    from mdlm_jax import diffusion
-    cfg = self.loaded.config.diffusion
-    schedule = diffusion.Schedule(cfg.schedule, cfg.eps)
-    n = max(len(r) for r in rows)
-    width = -(-n // 16) * 16
-    tokens = np.full((len(rows), width), self.tok.pad_id, np.int32)
-    valid = np.zeros((len(rows), width), bool)
-    for i, r in enumerate(rows):
-      tokens[i, :len(r)], valid[i, :len(r)] = r, True
-    model_for = self._many  # whole-canvas passes: the layout for many rows
-    if not hasattr(self, "_score"):
-      spec, mask_id, tc = model_for.spec, self.tok.mask_id, self.time_conditioned
-
-      @jax.jit
-      def score(params, tokens, valid, key, t):
-        model = bind(spec, params)
-        b, l = tokens.shape
-        xt, masked = diffusion.forward_mask(key, tokens, t, schedule, mask_id)
-        masked = masked & valid
-        xt = jnp.where(masked, mask_id, tokens)
-        attn = kernels.AttentionMask(kv_valid=valid)
-        logits = model(xt, t if tc else None, None, attn)
-        per = diffusion.nelbo_per_token(logits, tokens, masked, t, schedule, mask_id)
-        return per.sum(-1)
-
-      self._score = score
-    base = jax.random.PRNGKey(seed)
-    total = np.zeros(len(rows))
-    for j in range(time_samples):
-      # The same stratum of t for every row in a sample: rows are compared fairly.
-      t = jnp.full((len(rows),), (j + 0.5) / time_samples, jnp.float32)
-      total += np.asarray(self._score(model_for.params, jnp.asarray(tokens), jnp.asarray(valid),
-                                      jax.random.fold_in(base, j), t))
-    return total / time_samples / valid.sum(-1)
+    """NELBO (nats/token) of each token row under the model's own objective,
+    at fixed (seeded, stratified) times: comparable across rows and calls."""
+    from mdlm_jax.training.evaluation import Scorer
+    key = (time_samples, seed)
+    if getattr(self, "_scorer_key", None) != key:  # whole-row passes: the layout for many rows
+      self._scorer = Scorer.for_model(self._many, time_samples=time_samples, seed=seed)
+      self._scorer_key = key
+    nll, count = self._scorer(rows)
+    return nll / count
 
   def infill(self, prefix: str, suffix: str, *, sampler, lengths: Sequence[int] = (8, 16, 32, 64), seed: int = 0,
              time_samples: int = 16) -> tuple[Completion, dict[int, float]]:
@@ -236,20 +205,12 @@ class Generator:
 
   def _finish(self, canvas, out, row, prompt_ids, stop, record, max_new_tokens) -> Completion:
     gen = self.region(canvas, out["tokens"], row)[:max_new_tokens]
-    eos = np.flatnonzero(gen == self.tok.eos_id)
-    finish = "length"
-    if eos.size:
-      gen, finish = gen[:eos[0]], "stop"
-    gen = gen[gen != self.tok.mask_id]
-    text = self.tok.decode(gen.tolist())
-    text, stopped = truncate_at_stop(text, stop)
-    if stopped:
-      finish = "stop"
+    end = finish(self.tok, gen[gen != self.tok.mask_id], max_tokens=max_new_tokens, stop=stop)
     drafts = None
     if record:
       drafts = [self.draft_text(self.region(canvas, out["drafts"][i], row))
                 for i in range(int(out["num_drafts"]))]
-    return Completion(text, gen.tolist(), finish, len(prompt_ids), drafts)
+    return Completion(end.text, end.tokens, end.reason, len(prompt_ids), drafts)
 
   def draft_text(self, region: np.ndarray, mask_text: str = MASK_TEXT) -> str:
     return draft_text(self.tok, region, mask_text)
@@ -291,10 +252,9 @@ class ARGenerator:
     seconds = time.perf_counter() - t0
     completions = []
     for r in range(len(ids)):
-      gen = out["tokens"][r, :int(out["lengths"][r])]
-      finish = "stop" if int(out["lengths"][r]) < sampler.max_new_tokens else "length"
-      text, stopped = truncate_at_stop(self.tok.decode(gen.tolist()), stop)
-      completions.append(Completion(text, gen.tolist(), "stop" if stopped else finish, len(ids[r])))
+      # The row's tokens, then the EOS that ended it (if any), then padding.
+      end = finish(self.tok, out["tokens"][r], max_tokens=sampler.max_new_tokens, stop=stop)
+      completions.append(Completion(end.text, end.tokens, end.reason, len(ids[r])))
     n = int(out["num_forward_passes"])
     return Result(completions, n, n, seconds)
 
@@ -303,4 +263,4 @@ def generator_for(loaded: LoadedModel, mesh=None):
   return ARGenerator(loaded, mesh) if loaded.spec.cfg.causal else Generator(loaded, mesh)
 
 
-__all__ = ["ARGenerator", "generator_for", "Generator", "Completion", "Result", "AncestralSampler", "truncate_at_stop"]
+__all__ = ["ARGenerator", "generator_for", "Generator", "Completion", "Result", "AncestralSampler"]

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -22,8 +23,10 @@ from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, 
 from mdlm_jax.engine.engine import Request as EngineRequest
 from mdlm_jax.server import chat_template
 from mdlm_jax.server.prometheus import Metrics
-from mdlm_jax.server.protocol import (APIError, Limits, Sampling, parse_messages, parse_model, parse_prompt,
-                                      parse_sampling, parse_suffix, require_object)
+from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_messages, parse_model,
+                                      parse_prompt, parse_prompts, parse_sampling, parse_suffix, require_object)
+
+log = logging.getLogger("mdlm_jax.server")
 
 
 class ServerState:
@@ -35,13 +38,20 @@ class ServerState:
     self.shutting_down = False
 
 
-def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
+def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, limits: Limits = Limits(),
+               cors_origins: Sequence[str] = ()) -> FastAPI:
+  """`cors_origins`: browser origins allowed to call the API ("*" for any);
+  none by default, so only same-origin pages and non-browser clients can."""
   # The engine's shapes bound what a request may ask for.
   limits = dataclasses.replace(limits, max_tokens=min(limits.max_tokens, engine.sc.max_new_tokens),
                                max_prompt_tokens=min(limits.max_prompt_tokens, engine.sc.max_prompt))
   state = ServerState(engine, model_id, api_key, limits)
   app = FastAPI(title="mdlm_jax", docs_url=None, redoc_url=None, openapi_url=None)
   app.state.server = state
+  if cors_origins:
+    from fastapi.middleware.cors import CORSMiddleware
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])
 
   @app.exception_handler(APIError)
   async def api_error(request: Request, e: APIError):
@@ -70,7 +80,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 
   @app.get("/metrics")
   async def metrics():
-    return PlainTextResponse(state.metrics.render(engine.queue_depth(), engine.active_requests(), engine.num_slots),
+    return PlainTextResponse(state.metrics.render(engine.queue_depth(), engine.active_requests(), engine.num_slots,
+                                                  engine.finish_reasons()),
                              media_type="text/plain; version=0.0.4")
 
   @app.get("/v1/models")
@@ -91,28 +102,40 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
   async def chat(request: Request):
     body = await _read_body(state, request)
     parse_model(body, state.model_id)
+    check_fields(body, "chat")
     messages = parse_messages(body)
     s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
     prompt = chat_template.render(messages)
     s.stop = tuple(dict.fromkeys(s.stop + (chat_template.TURN_STOP,)))
-    return await _generate(state, request, "chat", prompt, s)
-
-  async def prompt_request(request: Request):
-    body = await _read_body(state, request)
-    parse_model(body, state.model_id)
-    return body, parse_prompt(body), parse_suffix(body)
+    return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt))], s)
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    body, prompt, suffix = await prompt_request(request)
+    body = await _read_body(state, request)
+    parse_model(body, state.model_id)
+    check_fields(body, "completions")
     s = parse_sampling(body, state.limits, default_max_tokens=16)
-    return await _generate(state, request, "completions", prompt, s, suffix=suffix or "")
+    suffix = parse_suffix(body) or ""
+    echo = bool(protocol_get_bool(body, "echo"))
+    if echo and suffix:
+      raise APIError(400, "echo: cannot be combined with suffix", param="echo", code="invalid_value")
+    prompts = []
+    for i, p in enumerate(parse_prompts(body, state.tok.vocab_size, state.limits, s.n)):
+      ids = state.engine.encode(p) if isinstance(p, str) else list(p)
+      if state.tok.mask_id in ids and not isinstance(p, str):
+        raise APIError(400, f"prompt[{i}]: token id {state.tok.mask_id} is the mask token, which only the decoder"
+                       " writes", param=f"prompt[{i}]", code="invalid_value")
+      prompts.append(Prompt(ids, (p if isinstance(p, str) else state.tok.decode(ids)) if echo else ""))
+    return await _generate(state, request, "completions", prompts, s, suffix=suffix)
 
   @app.post("/v1/fim/completions")
   async def fim(request: Request):
-    body, prompt, suffix = await prompt_request(request)
+    body = await _read_body(state, request)
+    parse_model(body, state.model_id)
+    check_fields(body, "fim")
     s = parse_sampling(body, state.limits, default_max_tokens=64)
-    return await _generate(state, request, "fim", prompt, s, suffix=suffix or "")
+    prompt, suffix = parse_prompt(body), parse_suffix(body) or ""
+    return await _generate(state, request, "fim", [Prompt(state.engine.encode(prompt))], s, suffix=suffix)
 
   return app
 
@@ -130,7 +153,26 @@ def _endpoint(request: Request) -> str:
 
 
 def _model_card(state: ServerState) -> dict:
-  return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mdlm_jax"}
+  """OpenAI's card, with the context this server gives the model (vLLM and
+  OpenRouter names): prompt plus completion, and each bound on its own."""
+  context = state.limits.max_prompt_tokens + state.limits.max_tokens
+  return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mdlm_jax",
+          "context_length": context, "max_model_len": context, "max_prompt_tokens": state.limits.max_prompt_tokens,
+          "max_completion_tokens": state.limits.max_tokens}
+
+
+def protocol_get_bool(body: dict, name: str) -> bool:
+  value = body.get(name)
+  if value is not None and not isinstance(value, bool):
+    raise APIError(400, f"{name}: expected a boolean, got {type(value).__name__}", param=name, code="invalid_value")
+  return bool(value)
+
+
+@dataclasses.dataclass
+class Prompt:
+  """One prompt of a request: its ids, and the text `echo` puts before each completion."""
+  ids: list[int]
+  echo: str = ""
 
 
 def _auth(state: ServerState, request: Request) -> None:
@@ -163,14 +205,15 @@ async def _read_body(state: ServerState, request: Request) -> dict:
   return require_object(body)
 
 
-def _engine_requests(state: ServerState, prompt: str, s: Sampling, suffix: str = "") -> list[EngineRequest]:
-  """One engine request per choice (seeds base, base + 1, ...), as one effort decodes everywhere."""
+def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suffix: str = ""
+                     ) -> list[EngineRequest]:
+  """One engine request per choice, prompt by prompt and n for each (seeds
+  base, base + 1, ...), decoded as the effort means everywhere."""
   sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
-  ids = state.engine.encode(prompt)
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
-  return [EngineRequest(ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop, suffix_ids=suffix_ids)
-          for i in range(s.n)]
+  return [EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop, suffix_ids=suffix_ids)
+          for p in prompts for i in range(s.n)]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -199,27 +242,35 @@ def _submit_all(state: ServerState, reqs: list[EngineRequest], want_drafts: bool
 
 
 async def _events(handles, request: Request):
-  """Yields (choice index, event) from several handles as events arrive; a
-  client that disconnects cancels its requests (their slots free at once)."""
+  """Yields (choice index, event) from several handles as events arrive. A
+  client that disconnects cancels its requests: a watcher waits on the
+  connection itself, so their slots free within a pass, streaming or not."""
   loop = asyncio.get_running_loop()
   wake = asyncio.Event()
   for h in handles:
     h.add_listener(lambda: loop.call_soon_threadsafe(wake.set))
-  open_ = set(range(len(handles)))
-  while open_:
-    try:
-      await asyncio.wait_for(wake.wait(), timeout=0.5)
-    except asyncio.TimeoutError:
-      if await request.is_disconnected():
+
+  async def watch():
+    while True:
+      message = await request.receive()
+      if message["type"] == "http.disconnect":
         for h in handles:
           h.cancel()
-      continue
-    wake.clear()
-    for i in sorted(open_):
-      for ev in handles[i].poll():
-        yield i, ev
-        if ev.kind == "done":
-          open_.discard(i)
+        return
+
+  watcher = asyncio.ensure_future(watch())
+  open_ = set(range(len(handles)))
+  try:
+    while open_:
+      await wake.wait()
+      wake.clear()
+      for i in sorted(open_):
+        for ev in handles[i].poll():
+          yield i, ev
+          if ev.kind == "done":
+            open_.discard(i)
+  finally:
+    watcher.cancel()
 
 
 def _chunk(kind: str, rid: str, state: ServerState, created: int, index: int, text: str | None,
@@ -241,68 +292,90 @@ def _sse(obj) -> str:
   return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _finish_reason(ev) -> str:
-  return "length" if ev.finish_reason == "length" else "stop"
+def _engine_failure(ev) -> APIError | None:
+  """The error a request that did not finish by itself reports."""
+  if ev.finish_reason == "error":
+    return APIError(500, "the engine failed while generating", code="engine_error")
+  if ev.finish_reason == "cancelled":
+    return APIError(503, "the request was cancelled: the server is shutting down", code="cancelled")
+  return None
 
 
-async def _generate(state: ServerState, request: Request, kind: str, prompt: str, s: Sampling, suffix: str = ""):
-  reqs = _engine_requests(state, prompt, s, suffix)
-  ids = list(reqs[0].prompt_ids) + list(reqs[0].suffix_ids)  # what the model reads: usage's prompt tokens
+async def _generate(state: ServerState, request: Request, kind: str, prompts: list[Prompt], s: Sampling,
+                    suffix: str = ""):
+  reqs = _engine_requests(state, prompts, s, suffix)
+  # What the model reads, each prompt once (as OpenAI counts it for n > 1).
+  prompt_tokens = sum(len(r.prompt_ids) + len(r.suffix_ids) for r in reqs[::s.n])
+  echo = [p.echo for p in prompts for _ in range(s.n)]
   t0 = time.perf_counter()
   handles = _submit_all(state, reqs, want_drafts=s.diffusing)
   rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
   created = int(time.time())
+
+  def done(completion: int, reasons: list[str]) -> None:
+    state.metrics.tokens(prompt_tokens, completion)
+    state.metrics.latency(time.perf_counter() - t0)
+    state.metrics.request(kind, 200)
+    log.info("%s %s user=%s prompt_tokens=%d completion_tokens=%d finish=%s", rid, kind, s.user, prompt_tokens,
+             completion, ",".join(reasons))
+
   if not s.stream:
+    finals = {}
     try:
-      finals = {}
       async for i, ev in _events(handles, request):
         if ev.kind == "done":
           finals[i] = ev
     finally:
       for h in handles:
         h.cancel()  # a client that went away frees its slots; finished ones ignore this
-    if any(ev.finish_reason == "error" for ev in finals.values()):
-      raise APIError(500, "the engine failed while generating", code="engine_error")
+    for ev in finals.values():
+      if (err := _engine_failure(ev)) is not None:
+        raise err
     completion = sum(ev.completion_tokens for ev in finals.values())
-    state.metrics.tokens(len(ids) * s.n, completion)
-    state.metrics.latency(time.perf_counter() - t0)
-    state.metrics.request(kind, 200)
+    done(completion, [finals[i].finish_reason for i in range(len(reqs))])
     choices = []
-    for i in range(s.n):
+    for i in range(len(reqs)):
       ev = finals[i]
       if kind == "chat":
         choices.append({"index": i, "message": {"role": "assistant", "content": ev.text}, "logprobs": None,
-                        "finish_reason": _finish_reason(ev)})
+                        "finish_reason": ev.finish_reason})
       else:
-        choices.append({"index": i, "text": ev.text, "logprobs": None, "finish_reason": _finish_reason(ev)})
+        choices.append({"index": i, "text": echo[i] + ev.text, "logprobs": None, "finish_reason": ev.finish_reason})
     return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                          "created": created, "model": state.model_id, "choices": choices,
-                         "usage": _usage(len(ids) * s.n, completion)})
+                         "usage": _usage(prompt_tokens, completion)})
 
   async def stream():
-    completion = 0
+    completion, reasons = 0, []
     try:
-      if kind == "chat":
-        for i in range(s.n):
+      for i in range(len(reqs)):
+        if kind == "chat":
           yield _sse(_chunk(kind, rid, state, created, i, "", None, role=True))
+        elif echo[i] and not s.diffusing:
+          yield _sse(_chunk(kind, rid, state, created, i, echo[i], None))
       async for i, ev in _events(handles, request):
         if ev.kind == "draft" and s.diffusing:
-          yield _sse(_chunk(kind, rid, state, created, i, ev.text, None))
+          yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
         elif ev.kind == "delta" and not s.diffusing:
           yield _sse(_chunk(kind, rid, state, created, i, ev.text, None))
         elif ev.kind == "done":
+          if (err := _engine_failure(ev)) is not None:
+            # Ended by the engine, not by the model: say so, as OpenAI's
+            # clients read it (an error event raises in them), and stop.
+            yield _sse(err.body())
+            state.metrics.request(kind, err.status)
+            return
           completion += ev.completion_tokens
+          reasons.append(ev.finish_reason)
           if s.diffusing:  # the last draft is the answer itself
-            yield _sse(_chunk(kind, rid, state, created, i, ev.text, None))
-          yield _sse(_chunk(kind, rid, state, created, i, None if kind == "chat" else "", _finish_reason(ev)))
+            yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
+          yield _sse(_chunk(kind, rid, state, created, i, None if kind == "chat" else "", ev.finish_reason))
       if s.include_usage:
         yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                     "created": created, "model": state.model_id, "choices": [],
-                    "usage": _usage(len(ids) * s.n, completion)})
+                    "usage": _usage(prompt_tokens, completion)})
       yield "data: [DONE]\n\n"
-      state.metrics.tokens(len(ids) * s.n, completion)
-      state.metrics.latency(time.perf_counter() - t0)
-      state.metrics.request(kind, 200)
+      done(completion, reasons)
     finally:
       for h in handles:
         h.cancel()  # the client went away (or we are done): free the slots

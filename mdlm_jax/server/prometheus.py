@@ -32,7 +32,7 @@ class Metrics:
       self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
       self.latency_sum += seconds
 
-  def render(self, queue_depth: int, active: int, slots: int) -> str:
+  def render(self, queue_depth: int, active: int, slots: int, finish_reasons: dict[str, int] | None = None) -> str:
     with self._lock:
       lines = ["# HELP mdlm_requests_total HTTP requests by endpoint and status.",
                "# TYPE mdlm_requests_total counter"]
@@ -48,6 +48,10 @@ class Metrics:
                 "# HELP mdlm_active_requests Requests holding a slot.", "# TYPE mdlm_active_requests gauge",
                 f"mdlm_active_requests {active}",
                 "# HELP mdlm_slots Slots of the engine.", "# TYPE mdlm_slots gauge", f"mdlm_slots {slots}",
+                "# HELP mdlm_finished_total Engine requests (one per choice) by how they ended.",
+                "# TYPE mdlm_finished_total counter"]
+      lines += [f'mdlm_finished_total{{reason="{r}"}} {n}' for r, n in sorted((finish_reasons or {}).items())]
+      lines += [
                 "# HELP mdlm_request_latency_seconds Time from request to its last token.",
                 "# TYPE mdlm_request_latency_seconds histogram"]
       total = 0

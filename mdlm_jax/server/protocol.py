@@ -35,6 +35,7 @@ class Limits:
   max_tokens: int = 512
   max_n: int = 8
   max_stop: int = 4
+  max_choices: int = 64  # prompts x n in one /v1/completions request
 
 
 @dataclasses.dataclass
@@ -50,6 +51,7 @@ class Sampling:
   include_usage: bool
   effort: str
   diffusing: bool
+  user: str | None = None
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -113,10 +115,14 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
   effort = _get(body, "reasoning_effort", str, DEFAULT_EFFORT)
   if effort not in EFFORTS:
     raise _bad("reasoning_effort", f"must be one of {', '.join(EFFORTS)}, got {effort!r}")
+  for key in options:
+    if key != "include_usage":
+      raise _unsupported(f"stream_options.{key}", "only include_usage is supported")
   diffusing = _get(body, "diffusing", bool, False)
   if diffusing and not stream:
     raise _bad("diffusing", "diffusing streams drafts: it needs stream=true")
-  return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing)
+  user = _get(body, "user", str, None)
+  return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user)
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
@@ -137,16 +143,45 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
       content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
       raise _bad(f"messages[{i}].content", "must be a string or an array of text parts")
+    for key in m:
+      if key not in ("role", "content"):
+        raise _unsupported(f"messages[{i}].{key}", "only role and content are supported in messages")
     out.append({"role": "system" if role == "developer" else role, "content": content})
   return out
 
 
+def parse_prompts(body: dict, vocab_size: int, limits: Limits, n: int) -> list[str | list[int]]:
+  """/v1/completions' `prompt`: a string, token ids, or an array of either."""
+  prompt = _get(body, "prompt", (str, list), None)
+  if prompt is None:
+    raise APIError(400, "prompt: a string, an array of strings or an array of token ids is required",
+                   param="prompt", code="missing_required_field")
+  if isinstance(prompt, str) or (prompt and all(_is_token(t) for t in prompt)):
+    prompts = [prompt]
+  else:
+    prompts = prompt
+  if not prompts:
+    raise _bad("prompt", "must not be an empty array")
+  if len(prompts) * n > limits.max_choices:
+    raise _bad("prompt", f"{len(prompts)} prompts x n={n} is more than {limits.max_choices} completions")
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      continue
+    if not isinstance(p, list) or not p or not all(_is_token(t) for t in p):
+      raise _bad(f"prompt[{i}]", "each prompt must be a string or a non-empty array of token ids")
+    bad = [t for t in p if not 0 <= t < vocab_size]
+    if bad:
+      raise _bad(f"prompt[{i}]", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+  return prompts
+
+
+def _is_token(t) -> bool:
+  return isinstance(t, int) and not isinstance(t, bool)
+
+
 def parse_prompt(body: dict, field: str = "prompt") -> str:
-  prompt = _get(body, field, (str, list), None)
-  if isinstance(prompt, list):
-    if len(prompt) != 1 or not isinstance(prompt[0], str):
-      raise _bad(field, "batched prompts are not supported: send one string (use n for several samples)")
-    prompt = prompt[0]
+  """One prompt string (fill-in-the-middle)."""
+  prompt = _get(body, field, str, None)
   if prompt is None:
     raise APIError(400, f"{field}: a string is required", param=field, code="missing_required_field")
   return prompt
@@ -170,3 +205,136 @@ def require_object(body: Any) -> dict:
   if not isinstance(body, dict):
     raise APIError(400, "the request body must be a JSON object", code="invalid_json")
   return body
+
+
+# -- fields: implemented, or refused by name ---------------------------------------
+
+ENDPOINT_FIELDS = {
+    "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+             "stream", "stream_options", "reasoning_effort", "diffusing", "user"},
+    "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+                    "stream", "stream_options", "reasoning_effort", "diffusing", "user"},
+    "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+            "stream_options", "reasoning_effort", "diffusing", "user"},
+}
+# OpenAI fields not implemented yet: checked, and accepted only at the value
+# that asks for nothing (which is then exactly what the server does).
+NEUTRAL_ONLY = {
+    "chat": ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "tools",
+             "tool_choice", "parallel_tool_calls", "response_format"),
+    "completions": ("logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of"),
+    "fim": (),
+}
+
+
+def _unsupported(param: str, message: str) -> APIError:
+  return APIError(400, f"{param}: {message}", param=param, code="unsupported_parameter")
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+  """Every field of the body is one this endpoint implements, or an OpenAI
+  field at its neutral value; anything else is a 400 naming it."""
+  neutral = NEUTRAL_ONLY[endpoint]
+  for name in body:
+    if name in ENDPOINT_FIELDS[endpoint]:
+      continue
+    if name not in neutral:
+      raise _unsupported(name, f"not a field this server's {endpoint} endpoint implements")
+    if body[name] is not None:
+      _CHECKS[(endpoint, name) if (endpoint, name) in _CHECKS else name](body, name)
+
+
+def _number_zero(body: dict, name: str) -> None:
+  v = _get(body, name, (int, float))
+  if not -2.0 <= v <= 2.0:
+    raise _bad(name, f"must be in [-2, 2], got {v}")
+  if v != 0:
+    raise _unsupported(name, "penalties are not implemented (only 0)")
+
+
+def _logit_bias(body: dict, name: str) -> None:
+  v = _get(body, name, dict)
+  for k, b in v.items():
+    if not k.lstrip("-").isdigit() or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+      raise _bad(name, "must map token ids to numbers in [-100, 100]")
+  if v:
+    raise _unsupported(name, "logit_bias is not implemented (only {})")
+
+
+def _chat_logprobs(body: dict, name: str) -> None:
+  if _get(body, name, bool):
+    raise _unsupported(name, "logprobs are not implemented (only false)")
+
+
+def _top_logprobs(body: dict, name: str) -> None:
+  v = _get(body, name, int)
+  if not 0 <= v <= 20:
+    raise _bad(name, f"must be in [0, 20], got {v}")
+  if v:
+    raise _unsupported(name, "logprobs are not implemented (only 0)")
+
+
+def _completion_logprobs(body: dict, name: str) -> None:
+  v = _get(body, name, int)
+  if not 0 <= v <= 5:
+    raise _bad(name, f"must be in [0, 5], got {v}")
+  raise _unsupported(name, "logprobs are not implemented (only null)")
+
+
+def _best_of(body: dict, name: str) -> None:
+  v = _get(body, name, int)
+  n = body.get("n") if isinstance(body.get("n"), int) else 1
+  if v < max(n, 1):
+    raise _bad(name, f"must be at least n ({n}), got {v}")
+  if v != n:
+    raise _unsupported(name, "best_of is not implemented (only equal to n)")
+
+
+def _tools(body: dict, name: str) -> None:
+  tools = _get(body, name, list)
+  for i, t in enumerate(tools):
+    fn = t.get("function") if isinstance(t, dict) else None
+    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or \
+        not isinstance(fn.get("name"), str):
+      raise _bad(f"{name}[{i}]", 'each tool must be {"type": "function", "function": {"name": ..., ...}}')
+  if tools:
+    raise _unsupported(name, "tool calling is not implemented yet (only an empty array)")
+
+
+def _tool_choice(body: dict, name: str) -> None:
+  v = _get(body, name, (str, dict))
+  if isinstance(v, str):
+    if v not in ("none", "auto", "required"):
+      raise _bad(name, f"must be none, auto, required or a named function, got {v!r}")
+  elif v.get("type") != "function" or not isinstance(v.get("function"), dict) or \
+      not isinstance(v["function"].get("name"), str):
+    raise _bad(name, 'a named choice is {"type": "function", "function": {"name": ...}}')
+  if v not in ("none", "auto"):  # with no tools, auto calls none
+    raise _unsupported(name, "tool calling is not implemented yet (only none or auto)")
+
+
+def _parallel_tool_calls(body: dict, name: str) -> None:
+  _get(body, name, bool)  # with no tools there is nothing to call, in parallel or not
+
+
+def _response_format(body: dict, name: str) -> None:
+  v = _get(body, name, dict)
+  kind = v.get("type")
+  if kind not in ("text", "json_object", "json_schema"):
+    raise _bad(f"{name}.type", f"must be text, json_object or json_schema, got {kind!r}")
+  if kind == "json_schema":
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+      raise _bad(f"{name}.json_schema", "must be an object with a name (and a schema)")
+    if "schema" in spec and not isinstance(spec["schema"], dict):
+      raise _bad(f"{name}.json_schema.schema", "must be a JSON Schema object")
+  if kind != "text":
+    raise _unsupported(name, f"structured outputs are not implemented yet ({kind}); only text")
+
+
+_CHECKS = {
+    "presence_penalty": _number_zero, "frequency_penalty": _number_zero, "logit_bias": _logit_bias,
+    ("chat", "logprobs"): _chat_logprobs, "top_logprobs": _top_logprobs, ("completions", "logprobs"):
+    _completion_logprobs, "best_of": _best_of, "tools": _tools, "tool_choice": _tool_choice,
+    "parallel_tool_calls": _parallel_tool_calls, "response_format": _response_format,
+}

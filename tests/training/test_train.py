@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 from mdlm_jax.checkpoints import checkpointer
 from mdlm_jax.training import trainer
 from mdlm_jax import checkpoints
@@ -118,7 +118,7 @@ def test_resume_rejects_a_different_model(tiny_config, tmp_path):
 def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_path):
   """train.init_from: the AR twin's weights (EMA) become step 0 of an MDLM run,
   with its tokenizer; a different network shape is refused by parameter name."""
-  from conftest import load_config
+  from tests.conftest import load_config
   src = checkpoints.load(tiny_checkpoints["ar"])
   c = load_config("tiny")
   c.train.update(num_steps=1, checkpoint_every=1, log_every=1, eval_batches=1,

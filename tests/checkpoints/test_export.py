@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 from mdlm_jax.checkpoints import params_only, safetensors
 from mdlm_jax import checkpoints
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 
 
 def run(*args, timeout=240):

@@ -6,14 +6,14 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import load_config
+from tests.conftest import load_config
 from mdlm_jax.parallel import sharding
 from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.model.spec import init_params, model_spec
 from mdlm_jax.model import ModelConfig
 from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.canvas import make_canvas
-from mdlm_jax.sampling.generate import Generator, truncate_at_stop
+from mdlm_jax.sampling.generate import Generator
 from mdlm_jax.sampling.samplers import AncestralSampler, Layout, LowConfidenceSampler, ThresholdSampler
 from mdlm_jax.data.tokenizer import Tokenizer
 
@@ -154,8 +154,6 @@ def test_block_decoding_stops_rows_at_eos():
 
 
 def test_generator_trims_at_eos_and_stop_strings(generator):
-  assert truncate_at_stop("abc\n\ndef", ["\n\n", "zz"]) == ("abc", True)
-  assert truncate_at_stop("abc", ["zz"]) == ("abc", False)
   r = generator.generate(["def"], max_new_tokens=12, sampler=LowConfidenceSampler(steps=12, block_size=0), seed=0)
   text = r.completions[0].text
   assert text and r.completions[0].finish_reason in ("length", "stop")
@@ -164,6 +162,11 @@ def test_generator_trims_at_eos_and_stop_strings(generator):
                           stop=[stop])
   assert r2.completions[0].text == text[:text.find(stop)]
   assert r2.completions[0].finish_reason == "stop"
+  # The tokens reported are those of the returned text, not those past the stop string.
+  kept = r2.completions[0].tokens
+  assert kept == r.completions[0].tokens[:len(kept)]
+  assert generator.tok.decode(kept).startswith(r2.completions[0].text)
+  assert len(generator.tok.decode(kept[:-1])) < len(r2.completions[0].text) or not kept
 
 
 def test_canvas_layout():

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from conftest import REPO
+from tests.conftest import REPO
 from mdlm_jax.checkpoints import packaged, params_only
 from mdlm_jax import checkpoints
 

@@ -81,7 +81,7 @@ def test_named_rules_on_the_tiny_model_match_single_device(rules, layout):
   trained under config.sharding.rules on 4 devices equals one device."""
   if len(jax.devices()) < 4:
     pytest.skip("needs 4 host devices (tests/conftest.py sets XLA_FLAGS)")
-  from conftest import load_config
+  from tests.conftest import load_config
   cfg = ModelConfig.from_config(load_config("tiny").model, vocab_size=96)
   cfg = dataclasses.replace(cfg, tie_embeddings=False)
   objective = objectives.MDLMObjective(diffusion.Schedule("loglinear", 1e-3), mask_id=3, time_conditioning=False)

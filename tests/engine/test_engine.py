@@ -4,12 +4,13 @@ per-request settings in one batch, drafts, cancellation, a mesh."""
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from mdlm_jax.parallel import sharding
 from mdlm_jax import checkpoints
 from mdlm_jax.model.spec import model_spec
-from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request
+from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request, ride_with_head
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import Generator
 from mdlm_jax.sampling.samplers import ThresholdSampler
@@ -64,7 +65,7 @@ def test_infilling_matches_the_generator_and_respects_max_tokens(loaded, engine)
     done = h.result(timeout=120)
     want = gen.generate([p], max_new_tokens=n, seed=3, suffixes=[suf],
                         sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
-    assert done.text == want.text and done.completion_tokens <= n
+    assert done.text == want.text and done.completion_tokens == len(want.tokens) <= n
 
 
 def test_a_shifted_head_matches_the_generator(loaded):
@@ -98,26 +99,23 @@ def test_passes_over_some_slots_match_the_generator(loaded, engine):
   assert engine.stats["steps_with_head"] > before
 
 
-def test_finished_blocks_ride_when_half_wait_or_one_waited(loaded):
-  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8)
-  busy = [0, 1, 2, 3]
-  e._head[:] = [True, False, False, False]
-  assert [e._pass_with_head(busy), e._pass_with_head(busy)] == [False, True]  # one waits at most a pass
-  e._head[:] = [True, True, False, False]
-  assert e._pass_with_head(busy)
-  assert e._pass_with_head([0])  # alone, a waiting block always rides
-  e._head[:] = False
-  assert not e._pass_with_head(busy)
+def test_finished_blocks_ride_when_half_wait_or_one_waited():
+  first = ride_with_head(np.array([True, False, False, False]), False)
+  assert first == (False, True)  # one of four waits: the others run a short pass
+  assert ride_with_head(np.array([True, False, False, False]), first[1]) == (True, False)  # it waits at most one
+  assert ride_with_head(np.array([True, True, False, False]), False) == (True, False)
+  assert ride_with_head(np.array([True]), False) == (True, False)  # alone, a waiting block always rides
+  assert ride_with_head(np.zeros(4, bool), True) == (False, False)
 
 
 def test_passes_pick_the_weight_layout_by_size(loaded):
   """On CPU few token rows read the [out, in] copy, more the trained layout;
   one layout when asked for."""
   e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
-  assert e._programs_for(FEW_ROWS)[0].spec.cfg.weight_layout == "out_in"
-  assert e._programs_for(FEW_ROWS + 1)[0].spec.cfg.weight_layout == "in_out"
+  assert e.weight_layout_for(FEW_ROWS) == "out_in" and e.weight_layout_for(FEW_ROWS + 1) == "in_out"
+  assert e.weight_layouts == ["in_out", "out_in"]
   one = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8, weight_layout="in_out")
-  assert one._programs_for(8) is one._programs_for(128) and one.loaded.spec.cfg.weight_layout == "in_out"
+  assert one.weight_layout_for(8) == one.weight_layout_for(128) == "in_out" and one.weight_layouts == ["in_out"]
 
 
 def test_passes_do_not_copy_the_cache(loaded):
@@ -125,11 +123,10 @@ def test_passes_do_not_copy_the_cache(loaded):
   place: a copy of the whole per-row cache costs more than the pass itself."""
   import re
   e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
-  full = "|".join(",".join(str(d) for d in x.shape) for x in (e._state.cache.k, e._state.cache.v))
+  full = "|".join(",".join(str(d) for d in shape) for shape in e.cache_shapes)
   # Passes over some slots, with and without finished blocks, and over all without.
   for rows, with_head in ((1, True), (4, True), (1, False), (8, False), (8, True)):
-    model, _, step = e._programs_for(rows * 8 * (2 if with_head else 1))
-    hlo = step.lower(model.params, e._state, rows=rows, with_head=with_head).compile().as_text()
+    hlo = e.pass_hlo(rows, with_head)
     copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
     assert not copies, f"rows={rows}, with_head={with_head}: {len(copies)} copies of the whole cache"
     if rows == e.num_slots:
@@ -177,8 +174,25 @@ def test_stop_strings_and_length(loaded, engine):
     stop = free.text[1:3]
     cut = engine.submit(_request(loaded, PROMPTS[0], max_tokens=24, stop=(stop,))).result(timeout=120)
     assert cut.finish_reason == "stop" and cut.text == free.text[:free.text.find(stop)]
+    assert cut.completion_tokens < free.completion_tokens  # the tokens of the text returned, no more
   short = engine.submit(_request(loaded, PROMPTS[0], max_tokens=5)).result(timeout=120)
   assert short.completion_tokens <= 5
+
+
+def test_a_faster_effort_takes_fewer_passes(loaded, engine):
+  """The same prompt at each effort, as the server maps reasoning_effort: each
+  faster preset commits more per pass, so it spends fewer passes, and no
+  preset spends more than its min_tokens allow."""
+  from mdlm_jax.sampling.presets import EFFORTS
+  prompt = Generator(loaded).encode_prompt(PROMPTS[1])
+  passes, tokens = {}, {}
+  for effort in EFFORTS:
+    sampler = engine.sampler_for(effort)
+    done = engine.submit(Request(prompt, 24, sampler, seed=0)).result(timeout=120)
+    passes[effort], tokens[effort] = done.passes, done.completion_tokens
+    assert done.passes <= 1 + 3 * -(-8 // sampler.min_tokens), effort  # the prefill, then 3 blocks of 8
+  assert passes["instant"] < passes["medium"] < passes["high"], passes
+  assert passes["instant"] <= passes["low"] <= passes["medium"], passes
 
 
 def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
@@ -227,8 +241,8 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
   e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).warmup()
 
   def compiled():  # (passes, prefills) over the programs of both weight layouts
-    programs = {id(p): p for p in (e._few, e._many)}.values()
-    return sum(p[2]._cache_size() for p in programs), sum(p[1]._cache_size() for p in programs)
+    c = e.compiled()
+    return c["passes"], c["prefills"]
 
   sizes = compiled()
   e.start()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_config
+from tests.conftest import REPO, load_config
 
 
 def test_llada_8b_on_256_abstract_devices():

@@ -11,7 +11,7 @@ from mdlm_jax.diffusion import Schedule
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.samplers import Layout, ThresholdSampler, block_causal_mask
-from test_model import make, random_tokens
+from tests.model.test_model import make, random_tokens
 
 IMPLS = ("xla", "pallas_interpret")
 

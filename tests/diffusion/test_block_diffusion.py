@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import load_config
+from tests.conftest import load_config
 from mdlm_jax.diffusion import bd3 as bd
 from mdlm_jax import config as config_lib, diffusion
 from mdlm_jax.diffusion import objectives
@@ -20,7 +20,7 @@ from mdlm_jax.training import trainer
 from mdlm_jax.model.spec import bind, model_spec
 from mdlm_jax.diffusion import Schedule
 from mdlm_jax.model import ModelConfig
-from test_diffusion import EPS, KINDS, np_alpha, np_log_softmax_without, np_weight
+from tests.diffusion.test_diffusion import EPS, KINDS, np_alpha, np_log_softmax_without, np_weight
 
 TINY = ModelConfig(vocab_size=40, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64)
 MASK_ID = TINY.vocab_size - 1

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config
+from tests.conftest import REPO, load_config
 from mdlm_jax.checkpoints import interop, packaged, params_only, safetensors
 from mdlm_jax import checkpoints
 from mdlm_jax.model.spec import bind, model_spec

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 
 LAUNCH = os.path.join(REPO, "launch", "local.py")
 

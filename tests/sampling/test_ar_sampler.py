@@ -11,7 +11,7 @@ import pytest
 from mdlm_jax.model.spec import bind, model_spec
 from mdlm_jax.model import ModelConfig
 from mdlm_jax.sampling.ar import ARSampler, sample_token
-from test_kv_cache import random_params
+from tests.model.test_kv_cache import random_params
 
 CFG = ModelConfig(vocab_size=50, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, causal=True,
                   tie_embeddings=False)

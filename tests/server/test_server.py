@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 
 KEY = "sk-test-key"
 MASK = "\u2591"
@@ -67,6 +67,9 @@ def _chat(client, **kw):
 
 def test_models(client):
   assert [m.id for m in client.models.list().data] == ["tiny"]
+  card = client.models.retrieve("tiny").model_dump()
+  assert card["context_length"] == card["max_model_len"] == 64 + 48  # --max-prompt-tokens + --max-tokens
+  assert (card["max_prompt_tokens"], card["max_completion_tokens"]) == (64, 48)
   assert client.models.retrieve("tiny").id == "tiny"
   with pytest.raises(openai.NotFoundError):
     client.models.retrieve("gpt-9")
@@ -102,6 +105,52 @@ def test_completions_infill_and_fim(client, server):
   out = httpx.post(server[1] + "/v1/fim/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": "tiny", "prompt": "x = [", "suffix": "]\n", "max_tokens": 6}, timeout=120).json()
   assert isinstance(out["choices"][0]["text"], str) and out["object"] == "text_completion"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoints):
+  from mdlm_jax import checkpoints
+  return checkpoints.load(tiny_checkpoints["mdlm"]).tokenizer
+
+
+def test_completions_take_prompt_lists_token_ids_and_echo(client, tokenizer):
+  args = dict(model="tiny", max_tokens=8, seed=3, temperature=1.0)
+  prompts = ["a = 1\n", "def f():\n"]
+  both = client.completions.create(prompt=prompts, n=2, **args)
+  assert [c.index for c in both.choices] == [0, 1, 2, 3]  # prompt by prompt, n choices each
+  alone = [client.completions.create(prompt=p, n=2, **args) for p in prompts]
+  assert [c.text for c in both.choices] == [c.text for a in alone for c in a.choices]
+  # Prompt tokens are counted once per prompt, not once per choice.
+  assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+  assert alone[0].usage.prompt_tokens == client.completions.create(prompt=prompts[0], **args).usage.prompt_tokens
+  assert both.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+  ids = [tokenizer.bos_id] + tokenizer.encode(prompts[1])
+  by_ids = client.completions.create(prompt=ids, **args)
+  assert by_ids.choices[0].text == alone[1].choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+  assert client.completions.create(prompt=[ids, ids], **args).choices[1].text == by_ids.choices[0].text
+  echoed = client.completions.create(prompt=prompts[1], echo=True, **args)
+  assert echoed.choices[0].text == prompts[1] + alone[1].choices[0].text
+  chunks = list(client.completions.create(prompt=prompts[1], echo=True, stream=True, **args))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+  assert client.completions.create(prompt=ids, echo=True, **args).choices[0].text.startswith(prompts[1])
+
+
+def test_usage_counts_the_returned_tokens(client, tokenizer):
+  free = client.completions.create(model="tiny", prompt="x = [", max_tokens=16, seed=4)
+  text = free.choices[0].text
+  assert free.usage.completion_tokens <= 16
+  if free.choices[0].finish_reason == "length":
+    assert free.usage.completion_tokens == 16
+  if len(text) >= 6:
+    stop = text[3:5]
+    cut = client.completions.create(model="tiny", prompt="x = [", max_tokens=16, seed=4, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)]
+    assert cut.usage.completion_tokens < free.usage.completion_tokens  # not the tokens past the stop string
+  # Fill-in-the-middle: the suffix is read too, so it is counted.
+  suffix = "]\nprint(x)\n"
+  fim = client.completions.create(model="tiny", prompt="x = [", suffix=suffix, max_tokens=5, seed=4)
+  assert fim.usage.prompt_tokens == free.usage.prompt_tokens + len(tokenizer.encode(suffix))
+  assert fim.usage.completion_tokens <= 5 and len(tokenizer.encode(fim.choices[0].text)) <= 5 + 1
 
 
 def test_efforts_n_and_stop(client):
@@ -147,6 +196,80 @@ def test_errors_have_the_openai_shape(server, client):
   with pytest.raises(openai.BadRequestError):
     _chat(client, max_tokens=10_000)
   assert httpx.get(base + "/health").json()["status"] == "ok"  # none of it hurt the server
+
+
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0, "logit_bias": {},
+           "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "response_format": {"type": "text"},
+           "user": "alice"}
+REFUSED = [  # (field, value, code): well formed but not implemented, or malformed
+    ("presence_penalty", 0.5, "unsupported_parameter"), ("frequency_penalty", 3, "invalid_value"),
+    ("logprobs", True, "unsupported_parameter"), ("top_logprobs", 3, "unsupported_parameter"),
+    ("top_logprobs", 99, "invalid_value"), ("logit_bias", {"5": 10}, "unsupported_parameter"),
+    ("logit_bias", [1], "invalid_value"), ("tools", [{"type": "function", "function": {"name": "f"}}],
+                                           "unsupported_parameter"),
+    ("tools", "f", "invalid_value"), ("tool_choice", "required", "unsupported_parameter"),
+    ("tool_choice", "sometimes", "invalid_value"), ("parallel_tool_calls", "yes", "invalid_value"),
+    ("response_format", {"type": "json_object"}, "unsupported_parameter"),
+    ("response_format", {"type": "xml"}, "invalid_value"), ("user", 7, "invalid_value"),
+    ("functions", [], "unsupported_parameter"), ("frobnicate", 1, "unsupported_parameter"),
+]
+
+
+def test_every_field_is_implemented_or_refused_by_name(server):
+  base = server[1]
+  ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+  r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json={**ok, **NEUTRAL},
+                 timeout=60)
+  assert r.status_code == 200, r.text
+  for field, value, code in REFUSED:
+    err = _error(base, "POST", "/v1/chat/completions", 400, json={**ok, field: value})
+    param = "response_format.type" if value == {"type": "xml"} else field
+    assert (err["param"], err["code"]) == (param, code), (field, value, err)
+  err = _error(base, "POST", "/v1/chat/completions", 400,
+               json={**ok, "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
+  assert err["param"] == "messages[0].name"
+  done = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+  for field, value in (("logprobs", 2), ("best_of", 3), ("suffix", 5), ("echo", "yes"), ("prompt", [[1], "a", 3]),
+                       ("messages", [])):
+    assert _error(base, "POST", "/v1/completions", 400, json={**done, field: value})["param"].startswith(field)
+  assert _error(base, "POST", "/v1/completions", 400, json={**done, "echo": True, "suffix": "y"})["param"] == "echo"
+  assert _error(base, "POST", "/v1/completions", 400, json={**done, "prompt": [10 ** 6]})["param"] == "prompt[0]"
+  assert _error(base, "POST", "/v1/fim/completions", 400, json={**done, "echo": True})["param"] == "echo"
+  for field, value in (("best_of", 1), ("logprobs", None), ("presence_penalty", 0)):
+    r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={**done, field: value}, timeout=60)
+    assert r.status_code == 200, (field, r.text)
+
+
+def _finished(base: str, reason: str) -> int:
+  for line in httpx.get(base + "/metrics").text.splitlines():
+    if line.startswith(f'mdlm_finished_total{{reason="{reason}"}}'):
+      return int(line.split()[-1])
+  return 0
+
+
+def test_a_non_streaming_client_that_leaves_is_cancelled(server):
+  """Eight clients ask for eight completions each and hang up after 0.3 s:
+  their 64 requests are cancelled, not decoded to the end."""
+  base = server[1]
+  body = {"model": "tiny", "prompt": "def f(x):\n", "max_tokens": 48, "n": 8, "reasoning_effort": "high",
+          "temperature": 1.0}
+  cancelled = _finished(base, "cancelled")
+
+  def leave(_):
+    try:  # the first clients in line may be served within the 0.3 s
+      httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                 timeout=httpx.Timeout(60, read=0.3))
+      return False
+    except httpx.ReadTimeout:
+      return True
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    assert sum(pool.map(leave, range(8))) >= 4
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and (h := httpx.get(base + "/health").json())["active"] + h["queue_depth"]:
+    time.sleep(0.05)
+  assert _finished(base, "cancelled") - cancelled >= 32  # most never got a slot before their client left
 
 
 def test_sixteen_concurrent_streams(client):
@@ -282,6 +405,57 @@ def test_queue_full_is_429_and_shutdown_is_503(tiny_checkpoints):
   r = http.post("/v1/chat/completions", json=body)
   assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
   assert http.get("/health").status_code == 503
+
+
+def test_cors_is_opt_in(tiny_checkpoints):
+  from fastapi.testclient import TestClient
+
+  from mdlm_jax import checkpoints
+  from mdlm_jax.engine.engine import Engine
+  from mdlm_jax.server.app import create_app
+  engine = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=64, max_new_tokens=48,
+                  block_size=8)
+  preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization,content-type"}
+  closed = TestClient(create_app(engine, model_id="tiny")).options("/v1/chat/completions", headers=preflight)
+  assert "access-control-allow-origin" not in closed.headers
+  app = TestClient(create_app(engine, model_id="tiny", cors_origins=["https://app.example"]))
+  r = app.options("/v1/chat/completions", headers=preflight)
+  assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+  assert "access-control-allow-origin" not in app.options(
+      "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}).headers
+  assert app.get("/v1/models", headers={"Origin": "https://app.example"}).headers[
+      "access-control-allow-origin"] == "https://app.example"
+
+
+def test_requests_ended_by_the_server_say_so(tiny_checkpoints):
+  """A shutdown that cancels a request is an error, streamed or not, never
+  finish_reason "stop" (the engine is never started: requests wait until cancelled)."""
+  import json
+  import threading
+
+  from fastapi.testclient import TestClient
+
+  from mdlm_jax import checkpoints
+  from mdlm_jax.engine.engine import Engine
+  from mdlm_jax.server.app import create_app
+  engine = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=64, max_new_tokens=48,
+                  block_size=8)
+  http = TestClient(create_app(engine, model_id="tiny"))
+  body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+  threading.Timer(1.0, engine.close, kwargs={"deadline_s": 0}).start()
+  r = http.post("/v1/chat/completions", json=body)
+  assert r.status_code == 503 and r.json()["error"]["code"] == "cancelled"
+  engine = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=64, max_new_tokens=48,
+                  block_size=8)
+  http = TestClient(create_app(engine, model_id="tiny"))
+  threading.Timer(1.0, engine.close, kwargs={"deadline_s": 0}).start()
+  with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+  events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+  assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+  assert events[-1]["error"]["code"] == "cancelled"
+  assert not any(c["finish_reason"] for e in events for c in e.get("choices", []))
 
 
 def test_sigterm_drains_and_exits_zero(server):

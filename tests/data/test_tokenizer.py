@@ -11,7 +11,7 @@ import pytest
 from mdlm_jax import data
 from mdlm_jax.data.tokenizer import MASK_PIECE, Tokenizer, train_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import REPO
 # Real sources with unicode (shlex, re/_casefix), long docstrings and tables.
 STDLIB_SAMPLES = ("json/decoder.py", "shlex.py", "re/_casefix.py", "zipfile.py",
                   "textwrap.py", "encodings/koi8_t.py")
