@@ -153,12 +153,13 @@ def load_documents(corpus: str, split: str, validation_fraction: float,
                    text_field: str = "text") -> list[str]:
   """The documents of one split of a corpus, in a deterministic order.
 
-  corpus: "stdlib", a directory (every utf-8 text file below it), a glob of
-  text files, or a .jsonl file whose records hold the text in text_field.
+  corpus: "stdlib", a code corpus folder (`python -m mdlm_jax.corpus build`),
+  a directory (every utf-8 text file below it), a glob of text files, or a
+  .jsonl file whose records hold the text in text_field.
   Non-utf-8 files are skipped, so a directory may hold binaries too.
   A document's split follows from its key: its path relative to the corpus
   root (the stdlib root, the directory, or the glob's wildcard-free prefix),
-  or for jsonl its 0-based line index.
+  `package/path` in a code corpus, or for jsonl its 0-based line index.
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -167,7 +168,15 @@ def load_documents(corpus: str, split: str, validation_fraction: float,
   if not corpus:
     raise ValueError("corpus is empty: pass 'stdlib', a directory, a glob or a .jsonl file")
 
-  if corpus.endswith(".jsonl") and not (_GLOB_CHARS & set(corpus)):
+  from mdlm_jax.data import corpus as code_corpus
+  if os.path.isdir(corpus) and code_corpus.is_corpus(corpus):  # built by `python -m mdlm_jax.corpus build`
+    docs, files = [], 0
+    for key, text in code_corpus.documents(corpus):
+      files += 1
+      if text and split_of(key, validation_fraction) == split:
+        docs.append(text)
+    total = f"{files} files"
+  elif corpus.endswith(".jsonl") and not (_GLOB_CHARS & set(corpus)):
     if not os.path.isfile(corpus):
       raise FileNotFoundError(f"corpus file not found: {corpus}")
     docs, records = _jsonl_docs(corpus, split, validation_fraction, text_field)

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
   from mdlm_jax.data.hf_tokenizer import HFTokenizer
 
 MASK_PIECE = "[MASK]"
+# Pieces a chat template and fill-in-the-middle training write as text and the
+# model must read as one token each (ChatML turns, Qwen-style tool calls, the
+# FIM sentinels of Bavarian et al. 2022). Trained as user-defined symbols:
+# always one piece when they occur, and decoded back to the same text.
+CHAT_AND_FIM_PIECES = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                       "</tool_response>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 _SPACE_MARK = "\u2581"  # sentencepiece's stand-in for " ".
 _META_PIECES = 5  # <unk> <s> </s> <pad> [MASK]
 _MIN_VOCAB = _META_PIECES + 256 + 16  # bytes must fit, plus a few characters.
@@ -191,6 +197,14 @@ class Tokenizer:
     """The vocabulary piece of one id, for debugging and display."""
     return self._sp.id_to_piece(int(token_id))
 
+  def piece_id(self, piece: str) -> int:
+    """The id of a whole piece (a chat or FIM marker); ValueError if the
+    vocabulary has no such piece."""
+    i = self._sp.piece_to_id(piece)
+    if i == self._sp.unk_id() and piece != self._sp.id_to_piece(i):
+      raise ValueError(f"the tokenizer has no piece {piece!r}")
+    return i
+
 
 # ------------------------------------------------------------------ training
 
@@ -269,9 +283,10 @@ def _check_round_trip(tok: Tokenizer, chunks: Sequence[str], limit: int = 200_00
 
 
 def train_tokenizer(texts: Iterable[str], out_path: str, vocab_size: int,
-                    max_chars: int = 20_000_000) -> Tokenizer:
+                    max_chars: int = 20_000_000, user_pieces: Sequence[str] = ()) -> Tokenizer:
   """Trains a lossless BPE tokenizer on up to max_chars characters of texts,
-  writes it atomically to out_path and returns it.
+  writes it atomically to out_path and returns it. `user_pieces` (e.g.
+  `CHAT_AND_FIM_PIECES`) are always one token each.
 
   On a tiny corpus the vocab may come out smaller than vocab_size.
   """
@@ -289,7 +304,8 @@ def train_tokenizer(texts: Iterable[str], out_path: str, vocab_size: int,
   try:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
-        num_threads=min(os.cpu_count() or 1, 8), **_TRAINER_OPTIONS)
+        num_threads=min(os.cpu_count() or 1, 8), **_TRAINER_OPTIONS,
+        **({"user_defined_symbols": list(user_pieces)} if user_pieces else {}))
   except RuntimeError as e:
     raise ValueError(f"sentencepiece training failed: {e}") from None
   tok = Tokenizer.from_bytes(model.getvalue())
@@ -319,6 +335,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
   t.add_argument("--text-field", default="text", help="jsonl field holding the text")
   t.add_argument("--validation-fraction", type=float, default=0.05,
                  help="held out of training, as in config.data.validation_fraction")
+  t.add_argument("--chat-fim-pieces", action="store_true",
+                 help="one token each for the chat, tool-call and fill-in-the-middle markers: "
+                      + " ".join(CHAT_AND_FIM_PIECES))
   e = sub.add_parser("encode", help="print the token ids of a text")
   e.add_argument("--model", required=True)
   e.add_argument("--text", required=True)
@@ -331,7 +350,8 @@ def _run(args: argparse.Namespace) -> str:
   from mdlm_jax import data  # pylint: disable=import-outside-toplevel
   start = time.time()
   docs = data.load_documents(args.corpus, "train", args.validation_fraction, args.text_field)
-  tok = train_tokenizer(docs, args.out, args.vocab_size, args.max_chars)
+  tok = train_tokenizer(docs, args.out, args.vocab_size, args.max_chars,
+                        CHAT_AND_FIM_PIECES if args.chat_fim_pieces else ())
   return (f"wrote {args.out}: vocab {tok.vocab_size}, trained on {len(docs)} documents "
           f"in {time.time() - start:.1f}s")
 

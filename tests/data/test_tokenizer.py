@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mdlm_jax import data
-from mdlm_jax.data.tokenizer import MASK_PIECE, Tokenizer, train_tokenizer
+from mdlm_jax.data.tokenizer import CHAT_AND_FIM_PIECES, MASK_PIECE, Tokenizer, train_tokenizer
 
 from tests.conftest import REPO
 # Real sources with unicode (shlex, re/_casefix), long docstrings and tables.
@@ -159,3 +159,19 @@ def test_cli_errors_are_one_line(args, needle):
   assert needle in r.stderr
   assert "Traceback" not in r.stderr
   assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_chat_and_fim_pieces_are_one_token_each(tmp_path):
+  docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(200)]
+  tok = train_tokenizer(docs, str(tmp_path / "c.model"), vocab_size=400, user_pieces=CHAT_AND_FIM_PIECES)
+  ids = {p: tok.piece_id(p) for p in CHAT_AND_FIM_PIECES}
+  assert len(set(ids.values())) == len(ids) and not set(ids.values()) & {tok.mask_id, tok.bos_id, tok.eos_id}
+  for piece, i in ids.items():
+    assert tok.encode(piece) == [i] and tok.decode([i]) == piece
+  text = "<|fim_prefix|>def f(x):\n<|fim_suffix|>\n    return y\n<|fim_middle|>    y = x<|im_end|>"
+  got = tok.encode(text)
+  assert tok.decode(got) == text
+  assert [t for t in got if t in ids.values()] == [ids["<|fim_prefix|>"], ids["<|fim_suffix|>"],
+                                                   ids["<|fim_middle|>"], ids["<|im_end|>"]]
+  with pytest.raises(ValueError, match="no piece"):
+    tok.piece_id("<|nothing|>")
