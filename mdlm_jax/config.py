@@ -78,6 +78,12 @@ def base_config() -> ml_collections.ConfigDict:
   dt.tokenizer = ""  # path to a sentencepiece .model; "" trains one into the workdir.
   dt.tokenizer_vocab_size = 4096
   dt.tokenizer_max_chars = 20_000_000  # of training text fed to the tokenizer trainer.
+  # Fill-in-the-middle (data/fim.py): the fraction of training documents cut
+  # into prefix, middle and suffix and rearranged, and of those the fraction in
+  # SPM rather than PSM order. > 0 needs the FIM pieces in the tokenizer, and
+  # makes the engine and the CLI infill in that format.
+  dt.fim_rate = 0.0
+  dt.fim_spm_rate = 0.5
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 1e-3
@@ -206,6 +212,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "block diffusion samples one t per block but the model is conditioned on one t per sequence;"
            " set model.time_conditioning=False")
     _check(dt.seq_len % bs == 0, "diffusion.block_size", f"{bs} does not divide data.seq_len={dt.seq_len}")
+  for name in ("fim_rate", "fim_spm_rate"):
+    v = dt.get(name, 0.0)
+    _check(isinstance(v, (int, float)) and 0 <= v <= 1, f"data.{name}", f"must be in [0, 1], got {v!r}")
   _check(dt.tokenizer_vocab_size >= 300, "data.tokenizer_vocab_size",
          f"must be >= 300 (256 byte pieces + specials + merges), got {dt.tokenizer_vocab_size}")
 

@@ -312,10 +312,20 @@ class _ShardsIterator(grain.DatasetIterator):
 
 
 def _shard_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *, seq_len: int, rows: int,
-                    seed: int, shard: int, num_shards: int) -> grain.DatasetIterator:
+                    seed: int, shard: int, num_shards: int, fim_rate: float = 0.0,
+                    fim_spm_rate: float = 0.5) -> grain.DatasetIterator:
   ds = grain.MapDataset.source(documents)[shard::num_shards]
   ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat(None)
-  ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
+  if fim_rate > 0:
+    # The cut points and the order come from a generator seeded per element,
+    # so they are the same on every run and after a resume.
+    from mdlm_jax.data.fim import FIMFormat
+    fmt = FIMFormat.of(tokenizer)
+    ds = ds.random_map(lambda text, rng: fmt.training_tokens(tokenizer, text, rng, rate=fim_rate,
+                                                            spm_rate=fim_spm_rate),
+                       seed=_shuffle_seed(seed + 1))
+  else:
+    ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
   # In-process, unthreaded reads: deterministic and cheap enough for tokenizing.
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   return iter(_PackIterDataset(it, seq_len).batch(rows, drop_remainder=True))
@@ -324,8 +334,11 @@ def _shard_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *, seq_l
 def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
                         seq_len: int, batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1,
-                        num_shards: int | None = None) -> grain.DatasetIterator:
+                        num_shards: int | None = None, fim_rate: float = 0.0,
+                        fim_spm_rate: float = 0.5) -> grain.DatasetIterator:
   """Endless {"tokens": int32 [batch_size, seq_len]} batches for one process.
+  With `fim_rate` > 0, that fraction of documents is rearranged for
+  fill-in-the-middle (`data.fim`).
 
   batch_size is per process. The documents are dealt into `num_shards` reader
   shards (default: one per process), each shuffled by seed and packed on its
@@ -350,7 +363,7 @@ def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
         f"{len(documents)} documents cannot be sharded over {num_shards} "
         "reader shards: every shard needs at least one")
   shards = [_shard_iterator(documents, tokenizer, seq_len=seq_len, rows=batch_size // per_process, seed=seed,
-                            shard=s, num_shards=num_shards)
+                            shard=s, num_shards=num_shards, fim_rate=fim_rate, fim_spm_rate=fim_spm_rate)
             for s in range(process_index * per_process, (process_index + 1) * per_process)]
   return shards[0] if per_process == 1 else _ShardsIterator(shards)
 

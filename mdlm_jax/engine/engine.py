@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.data import fim
 from mdlm_jax.model.spec import decoding_pair
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.model.layers import FEW_ROWS
@@ -184,6 +185,8 @@ class Engine:
     self.loaded, self.tok, self.mesh = few, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)
     self.max_queue = max_queue
+    # A model trained with fill-in-the-middle reads the PSM prompt instead.
+    self.fim = fim.format_for(loaded.config, tok)
     # (model, admit, step) for passes over at most FEW_ROWS token rows and for larger ones.
     few_programs = slots_lib.compile_programs(few.spec, self.sc)
     self._few = (few, *few_programs)
@@ -312,7 +315,19 @@ class Engine:
     return {"passes": sum(p[2]._cache_size() for p in programs),
             "prefills": sum(p[1]._cache_size() for p in programs)}
 
+  def prepare(self, request: Request) -> Request:
+    """The request as this engine decodes it: for a model trained with
+    fill-in-the-middle, prefix and suffix become its PSM prompt (no suffix
+    in the cache); otherwise unchanged."""
+    if self.fim is None or not request.suffix_ids:
+      return request
+    ids = list(request.prompt_ids)
+    bos = ids[0] if ids and ids[0] == self.tok.bos_id else None
+    prompt = self.fim.prompt(bos, ids[1:] if bos is not None else ids, request.suffix_ids)
+    return dataclasses.replace(request, prompt_ids=prompt, suffix_ids=())
+
   def submit(self, request: Request, *, want_drafts: bool = False) -> Handle:
+    request = self.prepare(request)
     self._check(request)
     h = Handle(request, want_drafts)
     with self._lock:

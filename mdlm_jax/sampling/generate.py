@@ -16,6 +16,7 @@ import numpy as np
 from mdlm_jax import kernels
 from mdlm_jax.parallel import sharding
 from mdlm_jax.checkpoints.loading import LoadedModel
+from mdlm_jax.data import fim
 from mdlm_jax.model.spec import bind, decoding_pair, for_decoding
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
@@ -78,6 +79,7 @@ class Generator:
     if loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
     self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "stream", "many"))
+    self.fim = fim.format_for(loaded.config, self.tok)  # infill in the FIM format a checkpoint was trained with
     self._on_step = None  # the current call's draft handler (see `stream`)
 
   def _emit(self, step, tokens):
@@ -127,6 +129,10 @@ class Generator:
     shaded block), while the loop is still running."""
     ids = [self.encode_prompt(p, add_bos) for p in prompts]
     suf = [self.tok.encode(s) for s in suffixes] if suffixes is not None else None
+    if suf is not None and self.fim is not None:  # trained with FIM: the PSM prompt, no suffix in view
+      ids = [self.fim.prompt(self.tok.bos_id if add_bos else None, self.tok.encode(p), s)
+             for p, s in zip(prompts, suf)]
+      suf = None
     gen_len = max_new_tokens
     cached = getattr(sampler, "kv_cache", False)
     if getattr(sampler, "is_block_causal", False):

@@ -212,7 +212,8 @@ def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suf
   sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
-  return [EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop, suffix_ids=suffix_ids)
+  return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,
+                                            suffix_ids=suffix_ids))
           for p in prompts for i in range(s.n)]
 
 

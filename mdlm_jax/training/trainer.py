@@ -27,7 +27,7 @@ from mdlm_jax.model.spec import ModelSpec, bind, init_params, model_spec
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.training.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
-from mdlm_jax.data.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
+from mdlm_jax.data.tokenizer import CHAT_AND_FIM_PIECES, Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
 
 
 def log(msg: str):
@@ -144,8 +144,10 @@ def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None,
     else:
       log(f"training a {config.data.tokenizer_vocab_size}-piece sentencepiece tokenizer -> {path}")
       t0 = time.time()
+      # A model that learns fill-in-the-middle needs its markers as pieces.
+      pieces = CHAT_AND_FIM_PIECES if float(config.data.get("fim_rate", 0.0)) > 0 else ()
       proto = train_tokenizer(train_docs, path, config.data.tokenizer_vocab_size,
-                              config.data.tokenizer_max_chars).to_bytes()
+                              config.data.tokenizer_max_chars, pieces).to_bytes()
       log(f"tokenizer trained in {time.time() - t0:.1f}s")
   return Tokenizer.from_bytes(distributed.broadcast_bytes(proto))
 
@@ -256,7 +258,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   local_batch = config.data.batch_size // jax.process_count()
   it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
                                 seed=config.data.shuffle_seed, process_index=jax.process_index(),
-                                process_count=jax.process_count(), num_shards=num_reader_shards(config))
+                                process_count=jax.process_count(), num_shards=num_reader_shards(config),
+                                fim_rate=float(config.data.get("fim_rate", 0.0)),
+                                fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)))
   with jax.set_mesh(mesh):
     params = init_params(spec, config.seed) if init is None else init_from_weights(init, spec, config.train.init_from)
     if init is not None:

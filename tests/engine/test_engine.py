@@ -288,3 +288,38 @@ def test_prompt_buckets_pad_at_most_a_third():
     assert _bucket(n, 10_000) == want
     assert n < 16 or (want - n) / want < 1 / 3
     assert _bucket(n, 100) == min(want, 100)
+
+
+@pytest.fixture(scope="module")
+def fim_loaded(tmp_path_factory):
+  """A tiny model trained two steps with fill-in-the-middle (its tokenizer,
+  trained by the run, has the FIM pieces)."""
+  from mdlm_jax.training import trainer
+  from tests.conftest import load_config
+  c = load_config("tiny")
+  c.data.update(tokenizer="", tokenizer_max_chars=300_000, fim_rate=0.5)
+  c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
+  workdir = str(tmp_path_factory.mktemp("fim"))
+  trainer.train(c, workdir)
+  return checkpoints.load(workdir)
+
+
+def test_a_fim_trained_model_infills_from_its_psm_prompt(fim_loaded):
+  """Prefix and suffix go into the prompt in the order the model was trained
+  on, not into the cache: in the engine and in the one-shot generator alike."""
+  from mdlm_jax.data import fim
+  tok = fim_loaded.tokenizer
+  gen = Generator(fim_loaded)
+  sampler = ThresholdSampler(block_size=8, kv_cache=True, threshold=0.9, min_tokens=2)
+  req = Request(gen.encode_prompt("x = ["), 8, sampler, seed=1, suffix_ids=tok.encode("]\nprint(x)\n"))
+  e = Engine(fim_loaded, num_slots=2, max_prompt=64, max_new_tokens=16, block_size=8).start()
+  try:
+    prepared = e.prepare(req)
+    assert list(prepared.suffix_ids) == [] and list(prepared.prompt_ids) == (
+        [tok.bos_id, tok.piece_id(fim.PREFIX)] + tok.encode("x = [") + [tok.piece_id(fim.SUFFIX)] +
+        tok.encode("]\nprint(x)\n") + [tok.piece_id(fim.MIDDLE)])
+    done = e.submit(req).result(timeout=120)
+  finally:
+    e.close(deadline_s=1)
+  want = gen.generate(["x = ["], suffixes=["]\nprint(x)\n"], max_new_tokens=8, sampler=sampler, seed=1)
+  assert done.text == want.completions[0].text and done.completion_tokens <= 8
