@@ -43,7 +43,8 @@ PACKAGES = os.path.join(os.path.dirname(__file__), "corpus_wheels.txt")
 # matched against License-Expression, the licence classifiers, or the
 # License field (which some wheels fill with the licence's whole text).
 PERMISSIVE = re.compile(r"(?i)\bMIT\b|\bBSD|\bApache|\bPSF\b|Python Software Foundation|\bISC\b|Unlicense|\bZlib\b|"
-                        r"\bCC0|\bHPND\b|Historical Permission|Public Domain|\bBSL-1\.0\b|Boost Software|"
+                        r"\bCC0|\b0BSD\b|\bZPL|Zope Public|\bHPND\b|Historical Permission|Public Domain|\bBSL-1\.0\b|"
+                        r"Boost Software|"
                         r"Permission is hereby granted, free of charge|Redistribution and use in source and binary")
 NOT_PERMISSIVE = re.compile(r"(?i)GPL|General Public|\bMPL\b|Mozilla|EUPL|CDDL|\bEPL\b|Eclipse|Proprietary|"
                             r"Commercial|SSPL|BUSL|Business Source|Non-?Commercial")

@@ -82,7 +82,8 @@ def test_licences():
   assert corpus.permissive(corpus.licence_of(BSD_TEXT.format(name="x")))
   for licence, ok in [("MIT", True), ("Apache-2.0", True), ("BSD-3-Clause OR GPL-2.0", True), ("GPL-3.0", False),
                       ("LGPLv3+", False), ("MPL-2.0", False), ("", False), ("Other/Proprietary License", False),
-                      ("permitted by the author", False), ("Python Software Foundation License", True)]:
+                      ("permitted by the author", False), ("Python Software Foundation License", True),
+                      ("0BSD", True), ("ZPL-2.1", True), ("MPL-2.0 AND MIT", False)]:
     assert corpus.permissive(licence) == ok, licence
 
 
