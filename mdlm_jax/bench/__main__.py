@@ -1,9 +1,9 @@
-"""python -m mdlm_jax.bench {train,sample,serve,kernels} [--json] [options]"""
+"""python -m mdlm_jax.bench {train,sample,serve,kernels,humaneval} [--json] [options]"""
 
 import sys
 
 COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample", "serve": "mdlm_jax.bench.serve",
-            "kernels": "mdlm_jax.bench.kernels"}
+            "kernels": "mdlm_jax.bench.kernels", "humaneval": "mdlm_jax.bench.humaneval"}
 
 
 def main(argv=None):

