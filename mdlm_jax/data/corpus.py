@@ -1,6 +1,7 @@
 """A large Python corpus built offline from a pinned list of PyPI wheels.
 
     python -m mdlm_jax.corpus build --out DIR [--packages FILE] [--jobs 4]
+    python -m mdlm_jax.corpus instructions --corpus DIR --out DIR
 
 Stage 1, per wheel (resumable: a wheel whose extract exists is not fetched
 again): `pip download --no-deps NAME==VERSION`, the licence read from the
@@ -394,7 +395,21 @@ def main(argv=None) -> int:
   b.add_argument("--max-file-bytes", type=int, default=Filters.max_file_bytes)
   b.add_argument("--near-dup-threshold", type=float, default=Filters.near_dup_threshold)
   b.add_argument("--shard-mib", type=int, default=64)
+  i = sub.add_parser("instructions", help="mine conversations from a corpus (data/instructions.py)")
+  i.add_argument("--corpus", required=True, help="a built corpus folder (or any corpus data.corpus takes)")
+  i.add_argument("--out", required=True, help="folder for train.jsonl and heldout.jsonl")
+  i.add_argument("--per-file", type=int, default=2, help="write examples per file (plus one tool call)")
+  i.add_argument("--seed", type=int, default=0)
+  i.add_argument("--validation-fraction", type=float, default=0.01, help="the held-out split, as in training")
   a = p.parse_args(argv)
+  if a.command == "instructions":
+    from mdlm_jax.data import instructions
+    if a.per_file < 1 or not 0 < a.validation_fraction < 1:
+      p.error("--per-file must be >= 1 and --validation-fraction in (0, 1)")
+    counts = instructions.build(a.corpus, a.out, per_file=a.per_file, seed=a.seed,
+                                validation_fraction=a.validation_fraction)
+    print(json.dumps(counts))
+    return 0
   if a.jobs < 1 or a.limit < 0 or a.max_file_bytes < 1 or a.shard_mib < 1:
     p.error("--jobs, --max-file-bytes and --shard-mib must be positive, --limit >= 0")
   if not 0 < a.near_dup_threshold <= 1:

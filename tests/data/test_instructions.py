@@ -1,0 +1,89 @@
+"""Instructions mined from code: write-the-function and tool-call conversations."""
+
+import json
+
+import jsonschema
+
+from mdlm_jax.checkpoints import chat_template
+from mdlm_jax.data import instructions
+
+MODULE = '''"""A module."""
+
+import os
+
+
+def scale(values: list, factor: float = 2.0) -> list:
+    """Multiply every value by factor.
+
+    Returns a new list.
+    """
+    out = [v * factor for v in values]
+    return out
+
+
+def greet(name: str, loud: bool = False):
+    """Say hello to name."""
+    text = f"hello {name}"
+    return text.upper() if loud else text
+
+
+def untyped(a, b):
+    """No annotations: written about, never a tool."""
+    return a + b
+
+
+def _private(x: int):
+    """Skipped."""
+    return x
+
+
+def no_doc(x: int):
+    return x
+'''
+
+
+def test_functions_and_their_schemas():
+  fns = {f.name: f for f in instructions.functions(MODULE)}
+  assert set(fns) == {"scale", "greet", "untyped"}
+  assert fns["scale"].header.startswith("def scale(values: list, factor: float = 2.0) -> list:\n")
+  assert fns["scale"].header.rstrip().endswith('"""') and "return out" in fns["scale"].source
+  schema = instructions.tool_schema(fns["scale"])
+  assert schema["function"]["parameters"] == {
+      "type": "object", "properties": {"values": {"type": "array"}, "factor": {"type": "number"}},
+      "required": ["values"], "additionalProperties": False}
+  assert schema["function"]["description"] == "Multiply every value by factor."
+  assert instructions.tool_schema(fns["untyped"]) is None
+  assert list(instructions.functions("def broken(:\n")) == []
+
+
+def test_mined_conversations_render_and_calls_validate():
+  docs = [MODULE, MODULE.replace("scale", "shrink").replace("greet", "wave")]
+  examples = instructions.mine(docs, per_file=2, seed=1)
+  writes = [e for e in examples if "tools" not in e]
+  calls = [e for e in examples if "tools" in e]
+  assert len(writes) == 4 and len(calls) == 2
+  for e in examples:
+    text = chat_template.render(chat_template.CHATML, e["messages"], tools=e.get("tools"))
+    assert text.count("<|im_start|>assistant") == 1 and text.endswith("<|im_end|>\n")
+  for e in calls:
+    call = e["messages"][1]["tool_calls"][0]["function"]
+    schema = next(t for t in e["tools"] if t["function"]["name"] == call["name"])
+    jsonschema.validate(json.loads(call["arguments"]), schema["function"]["parameters"])
+    assert len({t["function"]["name"] for t in e["tools"]}) == len(e["tools"]) >= 2
+  w = writes[0]["messages"]
+  assert w[0]["content"].startswith("Complete this Python function.") and w[1]["content"].startswith("```python\ndef ")
+
+
+def test_build_keeps_held_out_files_apart(tmp_path):
+  corpus = tmp_path / "src"
+  corpus.mkdir()
+  for i in range(30):
+    (corpus / f"m{i}.py").write_text(MODULE.replace("scale", f"scale{i}").replace("greet", f"greet{i}")
+                                     .replace("untyped", f"untyped{i}"))
+  counts = instructions.build(str(corpus), str(tmp_path / "out"), validation_fraction=0.3)
+  train = [json.loads(line) for line in open(tmp_path / "out" / "train.jsonl")]
+  held = [json.loads(line) for line in open(tmp_path / "out" / "heldout.jsonl")]
+  assert counts["train"]["examples"] == len(train) > 0 and counts["heldout"]["examples"] == len(held) > 0
+  names = lambda rows: {m["content"].split("def ")[1].split("(")[0] for r in rows for m in r["messages"]
+                        if m["role"] == "user" and "def " in m["content"]}
+  assert names(train) and names(held) and not names(train) & names(held)
