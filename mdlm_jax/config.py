@@ -84,6 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
   # makes the engine and the CLI infill in that format.
   dt.fim_rate = 0.0
   dt.fim_spm_rate = 0.5
+  # The chat template the model is trained for ("" none, or "chatml": see
+  # checkpoints/chat_template.py); exports write it beside the weights.
+  dt.chat_template = ""
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 1e-3
@@ -212,6 +215,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "block diffusion samples one t per block but the model is conditioned on one t per sequence;"
            " set model.time_conditioning=False")
     _check(dt.seq_len % bs == 0, "diffusion.block_size", f"{bs} does not divide data.seq_len={dt.seq_len}")
+  _check(dt.get("chat_template", "") in ("", "chatml"), "data.chat_template",
+         f"must be '' or 'chatml', got {dt.get('chat_template')!r}")
   for name in ("fim_rate", "fim_spm_rate"):
     v = dt.get(name, 0.0)
     _check(isinstance(v, (int, float)) and 0 <= v <= 1, f"data.{name}", f"must be in [0, 1], got {v!r}")

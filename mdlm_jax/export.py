@@ -60,9 +60,11 @@ def _import(a, max_shard: int) -> tuple[str, int]:
   config, tok, named, step = interop.read(a.checkpoint, a.tokenizer or None)
   spec = model_spec(ModelConfig.from_config(config.model, vocab_size=tok.vocab_size), None)
   params = params_only.unflatten_like(spec.abstract, named, a.checkpoint)
+  from mdlm_jax.checkpoints import chat_template
   out = params_only.save(a.out, params, config, tok, step=step, dtype=a.dtype, overwrite=a.overwrite,
                          max_shard_bytes=max_shard, extra={"weights": f"imported from {fmt}",
-                                                           "objective": config.objective})
+                                                           "objective": config.objective},
+                         chat_template=chat_template.from_folder(a.checkpoint))
   return out, step
 
 
@@ -78,12 +80,14 @@ def _export(a, max_shard: int) -> tuple[str, int]:
   loaded = checkpoints.load(a.checkpoint, use_ema=not a.no_ema)
   if not native:
     out = interop.save(a.out, a.format, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
-                       dtype=a.dtype, max_shard_bytes=max_shard, overwrite=a.overwrite)
+                       dtype=a.dtype, max_shard_bytes=max_shard, overwrite=a.overwrite,
+                       chat_template=loaded.chat_template)
     return out, loaded.step
   out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
                          dtype=a.dtype, overwrite=a.overwrite, max_shard_bytes=max_shard,
                          extra={"weights": "ema" if loaded.has_ema and not a.no_ema else "params",
-                                "objective": loaded.config.objective})
+                                "objective": loaded.config.objective},
+                         chat_template=loaded.chat_template)
   return out, loaded.step
 
 

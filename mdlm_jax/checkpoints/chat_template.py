@@ -128,6 +128,18 @@ def render(template: str, messages: Sequence[dict], *, tools: Sequence[dict] | N
     raise ValueError(f"chat template: {e}") from None
 
 
+BUILT_IN = {"chatml": CHATML}
+
+
+def named(name: str) -> str | None:
+  """A training config's `data.chat_template`: "" (none) or a built-in name."""
+  if not name:
+    return None
+  if name not in BUILT_IN:
+    raise ValueError(f"unknown chat template {name!r}; choose from {sorted(BUILT_IN)}")
+  return BUILT_IN[name]
+
+
 def from_folder(folder: str) -> str | None:
   """A checkpoint folder's chat template: `chat_template.jinja`, else the
   `chat_template` of `tokenizer_config.json` (a string, or named templates of

@@ -212,9 +212,10 @@ def tokenizer_config(tok: Tokenizer | HFTokenizer) -> dict[str, Any]:
 def save(out: str, fmt: str, params: Any, config: ml_collections.ConfigDict, tok: Tokenizer | HFTokenizer, *,
          step: int,
          dtype: str = "bfloat16", max_shard_bytes: int = params_only.DEFAULT_MAX_SHARD,
-         overwrite: bool = False) -> str:
+         overwrite: bool = False, chat_template: str | None = None) -> str:
   """Writes `out` in the `fmt` layout, atomically: safetensors (sharded past
-  `max_shard_bytes`), config.json, tokenizer.model or tokenizer.json, and tokenizer_config.json."""
+  `max_shard_bytes`), config.json, tokenizer.model or tokenizer.json, and
+  tokenizer_config.json (with the chat template, where transformers reads it)."""
   if dtype not in params_only.DTYPES:
     raise ValueError(f"dtype must be one of {params_only.DTYPES}, got {dtype!r}")
   cfg = ModelConfig.from_config(config.model, vocab_size=tok.vocab_size)
@@ -226,7 +227,8 @@ def save(out: str, fmt: str, params: Any, config: ml_collections.ConfigDict, tok
     with open(os.path.join(tmp, name), "wb") as f:
       f.write(data)
     for name, obj in (("config.json", hf_config(fmt, cfg, config, tok, step=step, dtype=dtype)),
-                      ("tokenizer_config.json", tokenizer_config(tok))):
+                      ("tokenizer_config.json", {**tokenizer_config(tok),
+                                                 **({"chat_template": chat_template} if chat_template else {})})):
       with open(os.path.join(tmp, name), "w") as f:
         json.dump(obj, f, indent=1)
   return os.path.abspath(out)

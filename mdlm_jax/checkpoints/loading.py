@@ -29,6 +29,8 @@ class LoadedModel:
   config: ml_collections.ConfigDict
   step: int
   has_ema: bool
+  # The Jinja chat template (checkpoints.chat_template), when the checkpoint has one.
+  chat_template: str | None = None
 
   @property
   def model(self) -> Transformer:
@@ -44,12 +46,14 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   default one device)."""
   if mesh is None:
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  from mdlm_jax.checkpoints import chat_template
   if params_only.is_params_dir(path):
-    return _load_params_only(path, mesh)
+    return dataclasses.replace(_load_params_only(path, mesh), chat_template=chat_template.from_folder(path))
   from mdlm_jax.checkpoints import interop
   if interop.hf_format(path) is not None:
     config, tokenizer, named, step = interop.read(path)
-    return _place(path, config, tokenizer, named, step, mesh)
+    return dataclasses.replace(_place(path, config, tokenizer, named, step, mesh),
+                               chat_template=chat_template.from_folder(path))
   meta, root, step = checkpointer.read_meta(path)
   config = checkpointer.meta_config(meta)
   tokenizer = load_tokenizer_bytes(checkpointer.meta_tokenizer_bytes(meta))
@@ -60,7 +64,8 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   target = {"params": abstract, "ema": abstract} if meta.get("has_ema", False) else {"params": abstract}
   state = checkpointer.restore_weights(root, step, target)
   params = state["ema"] if want_ema else state["params"]
-  return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)))
+  return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)),
+                     chat_template.named(config.data.get("chat_template", "")))
 
 
 def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:

@@ -111,8 +111,9 @@ def unflatten_like(abstract: Any, named: dict[str, np.ndarray], source: str) -> 
 
 def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer: Tokenizer | HFTokenizer, *, step: int,
          dtype: str = "bfloat16", extra: dict | None = None, overwrite: bool = False,
-         max_shard_bytes: int = DEFAULT_MAX_SHARD) -> str:
-  """Writes the folder `out` atomically; returns its path."""
+         max_shard_bytes: int = DEFAULT_MAX_SHARD, chat_template: str | None = None) -> str:
+  """Writes the folder `out` atomically (with `chat_template.jinja` when the
+  model has a chat template); returns its path."""
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
@@ -129,6 +130,9 @@ def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer: To
             **({"tokenizer": {"file": name, **tokenizer.meta()}} if hf else {})}
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(meta, f, indent=1, sort_keys=True)
+    if chat_template is not None:
+      with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(chat_template)
   return os.path.abspath(out)
 
 

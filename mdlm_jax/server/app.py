@@ -105,9 +105,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     check_fields(body, "chat")
     messages = parse_messages(body)
     s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
-    prompt = chat_template.render(messages)
-    s.stop = tuple(dict.fromkeys(s.stop + (chat_template.TURN_STOP,)))
-    return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt))], s)
+    try:
+      prompt, stops, add_bos = chat_template.render(messages, state.engine.loaded.chat_template, state.tok)
+    except ValueError as e:  # the template refused the conversation (raise_exception)
+      raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
+    s.stop = tuple(dict.fromkeys(s.stop + stops))
+    return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s)
 
   @app.post("/v1/completions")
   async def completions(request: Request):

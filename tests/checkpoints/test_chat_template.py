@@ -102,3 +102,24 @@ def test_same_as_transformers_when_installed():
                                       bos_token="<s>")
     assert ct.render(template, CHAT, add_generation_prompt=True, special_tokens={"bos_token": "<s>"}) == theirs[0]
   del transformers
+
+
+def test_templates_travel_with_exports_and_imports(tiny_checkpoints, tmp_path):
+  """A params-only folder keeps chat_template.jinja, a LLaDA/Dream export puts
+  the template in tokenizer_config.json, and import brings it back."""
+  from mdlm_jax import checkpoints, export
+  from mdlm_jax.checkpoints import interop, params_only
+  loaded = checkpoints.load(tiny_checkpoints["mdlm"])
+  assert loaded.chat_template is None  # trained with data.chat_template=""
+  native = params_only.save(str(tmp_path / "native"), loaded.params, loaded.config, loaded.tokenizer, step=2,
+                            chat_template=ct.CHATML)
+  assert checkpoints.load(native).chat_template == ct.CHATML
+  llada = interop.save(str(tmp_path / "llada"), "llada", loaded.params, loaded.config, loaded.tokenizer, step=2,
+                       chat_template=ct.CHATML)
+  assert json.load(open(f"{llada}/tokenizer_config.json"))["chat_template"] == ct.CHATML
+  assert checkpoints.load(llada).chat_template == ct.CHATML
+  export.main(["--import", f"--checkpoint={llada}", f"--out={tmp_path / 'back'}"])
+  assert checkpoints.load(str(tmp_path / "back")).chat_template == ct.CHATML
+  assert ct.named("chatml") == ct.CHATML and ct.named("") is None
+  with pytest.raises(ValueError, match="unknown chat template"):
+    ct.named("vicuna")

@@ -463,3 +463,30 @@ def test_sigterm_drains_and_exits_zero(server):
   proc, base = server
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=60) == 0
+
+
+def test_chat_renders_the_checkpoints_template(tiny_checkpoints, tmp_path):
+  """A checkpoint with a chat template is prompted through it (its BOS and
+  end-of-turn marker respected); one without keeps the plain labels."""
+  from fastapi.testclient import TestClient
+
+  from mdlm_jax import checkpoints
+  from mdlm_jax.checkpoints import chat_template, params_only
+  from mdlm_jax.engine.engine import Engine
+  from mdlm_jax.server.app import create_app
+  loaded = checkpoints.load(tiny_checkpoints["mdlm"])
+  folder = params_only.save(str(tmp_path / "chat"), loaded.params, loaded.config, loaded.tokenizer, step=2,
+                            chat_template=chat_template.CHATML)
+  engine = Engine(checkpoints.load(folder), num_slots=1, max_prompt=128, max_new_tokens=16, block_size=8).start()
+  try:
+    http = TestClient(create_app(engine, model_id="tiny"))
+    messages = [{"role": "system", "content": "Terse."}, {"role": "user", "content": "hi"}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    want = chat_template.render(chat_template.CHATML, messages, add_generation_prompt=True)
+    assert r.json()["usage"]["prompt_tokens"] == 1 + len(loaded.tokenizer.encode(want))
+    assert "<|im_end|>" not in r.json()["choices"][0]["message"]["content"]
+    bad = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages[::-1], "max_tokens": 8})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+  finally:
+    engine.close(deadline_s=0)
