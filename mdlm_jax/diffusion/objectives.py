@@ -28,19 +28,23 @@ class MDLMObjective:
 
   context_tokens = 0  # leading tokens of a row that are never scored
 
-  def __call__(self, model, tokens, key, t=None):
+  def __call__(self, model, tokens, key, t=None, loss_mask=None):
     """NELBO sum over the batch in nats, and the token count. `t` overrides
-    the sampled times (evaluation uses a fixed, seeded set)."""
-    return self.per_token(model, tokens, key, t).sum(), jnp.asarray(tokens.size, jnp.float32)
+    the sampled times (evaluation uses a fixed, seeded set). `loss_mask`
+    [b, l] (instruction tuning): only those tokens are ever masked and
+    scored, the rest (the prompt) stay in view, and the count is theirs."""
+    per = self.per_token(model, tokens, key, t, loss_mask=loss_mask)
+    return per.sum(), _count(tokens, loss_mask)
 
-  def per_token(self, model, tokens, key, t=None, valid=None) -> jax.Array:
+  def per_token(self, model, tokens, key, t=None, valid=None, loss_mask=None) -> jax.Array:
     """Each token's NELBO term in nats [b, l]. `valid` [b, l]: padding the
     model never attends to (its terms are still there, for the caller to drop)."""
     k_t, k_mask = jax.random.split(key)
     if t is None:
       t = diffusion.sample_times(k_t, tokens.shape[0], antithetic=self.antithetic,
                                  sampling_eps=self.sampling_eps, t_max=self.t_max)
-    xt, masked = diffusion.forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
+    xt, masked = _only(diffusion.forward_mask(k_mask, tokens, t, self.schedule, self.mask_id), tokens, loss_mask,
+                       self.mask_id)
     cond = t if self.time_conditioning else None
     logits = model(xt, cond) if valid is None else model(xt, cond, None, kernels.AttentionMask(kv_valid=valid))
     return diffusion.nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
@@ -68,7 +72,7 @@ class BD3Objective(MDLMObjective):
     if self.time_conditioning:
       raise ValueError("block diffusion has one t per block; the model's conditioning takes one per sequence")
 
-  def per_token(self, model, tokens, key, t=None, valid=None) -> jax.Array:
+  def per_token(self, model, tokens, key, t=None, valid=None, loss_mask=None) -> jax.Array:
     """Each token's NELBO term [b, l]; `t` [b, L / block_size] overrides the
     sampled per-block times."""
     b, l = tokens.shape
@@ -77,7 +81,8 @@ class BD3Objective(MDLMObjective):
     if t is None:
       t = bd3.sample_block_times(k_t, b, n, antithetic=self.antithetic,
                                              sampling_eps=self.sampling_eps, t_max=self.t_max)
-    xt, masked = bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id)
+    xt, masked = _only(bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id), tokens, loss_mask,
+                       self.mask_id)
     logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
     return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
 
@@ -89,10 +94,13 @@ class BD3Objective(MDLMObjective):
 class ARObjective:
   context_tokens = 1  # nothing predicts a row's first token
 
-  def __call__(self, model, tokens, key=None, t=None):
+  def __call__(self, model, tokens, key=None, t=None, loss_mask=None):
     del key, t
     nll = diffusion.ar_nll(model(tokens), tokens)
-    return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+    if loss_mask is None:
+      return nll.sum(), jnp.asarray(nll.size, jnp.float32)
+    scored = loss_mask[:, 1:]  # token i is scored from the tokens before it
+    return jnp.sum(nll * scored), jnp.sum(scored).astype(jnp.float32)
 
   def per_token(self, model, tokens, key=None, t=None, valid=None) -> jax.Array:
     """-log p(x_i | x_<i) [b, l], 0 at i = 0. Causal attention never reads
@@ -102,6 +110,19 @@ class ARObjective:
 
   def fixed_times(self, batch: int, length: int, u: float) -> None:
     return None  # exact: no time to draw
+
+
+def _only(xt_masked, tokens, loss_mask, mask_id: int):
+  """(x_t, masked) with masking kept to `loss_mask` (None: everywhere)."""
+  xt, masked = xt_masked
+  if loss_mask is None:
+    return xt, masked
+  masked = masked & loss_mask
+  return jnp.where(masked, mask_id, tokens), masked
+
+
+def _count(tokens, loss_mask) -> jax.Array:
+  return jnp.asarray(tokens.size if loss_mask is None else jnp.sum(loss_mask), jnp.float32)
 
 
 def from_config(config, mask_id: int, training: bool = False):

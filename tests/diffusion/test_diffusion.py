@@ -413,3 +413,28 @@ def test_summarize():
   assert out["bits_per_token"] == pytest.approx(nats / math.log(2), rel=1e-6)
   assert out["ppl"] == pytest.approx(math.exp(nats), rel=1e-6)
   assert math.isfinite(diffusion.summarize(1e4)["ppl"])
+
+
+def test_instruction_tuning_masks_and_scores_the_response_only():
+  """With a loss mask, tokens outside it (the prompt) are never masked, and
+  the NELBO sums the masked tokens inside it, counted over the mask."""
+  rng, logits, x0, _, mask_id = random_case(11)
+  loss_mask = np.zeros(x0.shape, bool)
+  loss_mask[:, x0.shape[1] // 3:] = True
+  model = Recorder(logits)
+  obj = objectives.MDLMObjective(Schedule("loglinear", EPS), mask_id)
+  t = rng.uniform(0.5, 0.9, size=x0.shape[0]).astype(np.float32)
+  total, count = obj(model, jnp.asarray(x0), jax.random.key(3), t=jnp.asarray(t), loss_mask=jnp.asarray(loss_mask))
+  (xt, _), = model.calls
+  masked = xt == mask_id
+  assert masked.any() and not masked[~loss_mask].any()
+  np.testing.assert_array_equal(xt[~loss_mask], x0[~loss_mask])
+  ref = np_nelbo_per_token(logits, x0, masked, t, "loglinear", mask_id)
+  assert float(count) == loss_mask.sum() and float(total) == pytest.approx(ref.sum(), rel=1e-5)
+  # The AR twin scores token i from the tokens before it, where the mask allows.
+  ar_total, ar_count = objectives.ARObjective()(lambda tokens: jnp.asarray(logits), jnp.asarray(x0),
+                                                loss_mask=jnp.asarray(loss_mask))
+  z = np.asarray(logits, np.float64)
+  logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+  want = -sum(logp[b, i - 1, x0[b, i]] for b in range(x0.shape[0]) for i in range(1, x0.shape[1]) if loss_mask[b, i])
+  assert float(ar_count) == loss_mask[:, 1:].sum() and float(ar_total) == pytest.approx(want, rel=1e-5)

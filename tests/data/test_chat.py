@@ -1,0 +1,59 @@
+"""Instruction-tuning rows: prompt in view, the response and its EOS padding scored."""
+
+import numpy as np
+import pytest
+
+from mdlm_jax.checkpoints.chat_template import CHATML
+from mdlm_jax.data import chat
+
+
+class CharTok:
+  bos_id, eos_id = 1, 2
+
+  def encode(self, text):
+    return [ord(c) + 10 for c in text]
+
+
+CONV = {"messages": [{"role": "user", "content": "Add 2 and 3."},
+                     {"role": "assistant", "content": "5"}]}
+CALL = {"tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+        "messages": [{"role": "user", "content": "2+3?"},
+                     {"role": "assistant", "content": "", "tool_calls": [
+                         {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]}]}
+
+
+def test_the_response_is_what_the_answer_adds():
+  prompt, response = chat.split_response(CHATML, CONV)
+  assert prompt.endswith("<|im_start|>assistant\n") and response == "5<|im_end|>\n"
+  prompt, response = chat.split_response(CHATML, CALL)
+  assert "# Tools" in prompt and response == '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>\n'
+  with pytest.raises(ValueError, match="ends with the assistant"):
+    chat.split_response(CHATML, {"messages": CONV["messages"][:1]})
+
+
+def test_rows_pad_with_scored_eos_and_leave_out_what_does_not_fit():
+  tok = CharTok()
+  prompt, response = chat.split_response(CHATML, CONV)
+  n_prompt, n_answer = 1 + len(prompt), len(response) + 1
+  long = {"messages": [{"role": "user", "content": "x" * 500}, {"role": "assistant", "content": "y"}]}
+  data = chat.rows([CONV, long, CONV], tok, CHATML, seq_len=n_prompt + n_answer + 5)
+  assert data.tokens.shape == (2, n_prompt + n_answer + 5) and data.too_long == 1
+  row, mask = data.tokens[0], data.loss_mask[0]
+  assert row[0] == tok.bos_id and row[1:n_prompt].tolist() == tok.encode(prompt)
+  assert row[n_prompt:n_prompt + n_answer - 1].tolist() == tok.encode(response)
+  assert (row[n_prompt + n_answer - 1:] == tok.eos_id).all()  # the answer's EOS, then EOS padding
+  assert not mask[:n_prompt].any() and mask[n_prompt:].all()
+  with pytest.raises(ValueError, match="no conversation fits"):
+    chat.rows([long], tok, CHATML, seq_len=64)
+
+
+def test_batches_shuffle_every_epoch_and_cover_all_rows():
+  data = chat.ChatRows(np.arange(10)[:, None].repeat(4, 1).astype(np.int32), np.ones((10, 4), bool), 0)
+  it = chat.batches(data, 5, seed=0)
+  first = np.concatenate([next(it)["tokens"][:, 0] for _ in range(2)])
+  second = np.concatenate([next(it)["tokens"][:, 0] for _ in range(2)])
+  assert sorted(first) == sorted(second) == list(range(10))
+  again = chat.batches(data, 5, seed=0)
+  assert np.array_equal(next(again)["tokens"], data.tokens[np.sort(first[:5])])
+  with pytest.raises(ValueError, match="more than"):
+    next(chat.batches(data, 11, seed=0))
