@@ -87,6 +87,10 @@ def base_config() -> ml_collections.ConfigDict:
   # The chat template the model is trained for ("" none, or "chatml": see
   # checkpoints/chat_template.py); exports write it beside the weights.
   dt.chat_template = ""
+  # "text": documents packed into rows (pretraining); "chat": instruction
+  # tuning on conversations (data/chat.py), data.corpus a folder with
+  # train.jsonl and heldout.jsonl (python -m mdlm_jax.corpus instructions).
+  dt.kind = "text"
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 1e-3
@@ -215,6 +219,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "block diffusion samples one t per block but the model is conditioned on one t per sequence;"
            " set model.time_conditioning=False")
     _check(dt.seq_len % bs == 0, "diffusion.block_size", f"{bs} does not divide data.seq_len={dt.seq_len}")
+  _check(dt.get("kind", "text") in ("text", "chat"), "data.kind", f"must be 'text' or 'chat', got {dt.get('kind')!r}")
+  if dt.get("kind", "text") == "chat":
+    _check(dt.get("chat_template", ""), "data.chat_template", "a chat run renders its conversations with a template:"
+           " set it to 'chatml'")
   _check(dt.get("chat_template", "") in ("", "chatml"), "data.chat_template",
          f"must be '' or 'chatml', got {dt.get('chat_template')!r}")
   for name in ("fim_rate", "fim_spm_rate"):

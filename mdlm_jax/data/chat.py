@@ -81,17 +81,41 @@ def read_jsonl(path: str) -> list[dict]:
   return out
 
 
-def batches(data: ChatRows, batch_size: int, seed: int) -> Iterable[dict[str, np.ndarray]]:
-  """Endless shuffled batches {"tokens", "loss_mask"}, a new order each epoch."""
-  if batch_size > len(data.tokens):
-    raise ValueError(f"batch_size={batch_size} is more than the {len(data.tokens)} conversations")
-  epoch = 0
-  while True:
-    order = np.random.default_rng([seed, epoch]).permutation(len(data.tokens))
-    for i in range(0, len(order) - batch_size + 1, batch_size):
-      idx = np.sort(order[i:i + batch_size])
-      yield {"tokens": data.tokens[idx], "loss_mask": data.loss_mask[idx]}
-    epoch += 1
+def train_iterator(data: ChatRows, batch_size: int, seed: int, *, process_index: int = 0,
+                   process_count: int = 1):
+  """Endless shuffled batches {"tokens", "loss_mask"} of this process's rows
+  (every process_count-th), a new order each epoch; a grain iterator, so its
+  position is saved in checkpoints and restored on resume."""
+  import grain
+  n = len(data.tokens[process_index::process_count])
+  if batch_size > n:
+    raise ValueError(f"a batch of {batch_size} is more than this process's {n} conversations")
+  ds = grain.MapDataset.range(len(data.tokens))[process_index::process_count]
+  ds = ds.shuffle(seed=seed).repeat(None).map(lambda i: {"tokens": data.tokens[i], "loss_mask": data.loss_mask[i]})
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  return iter(it.batch(batch_size, drop_remainder=True))
 
 
-__all__: Sequence[str] = ["ChatRows", "batches", "read_jsonl", "rows", "split_response"]
+def eval_batches(data: ChatRows, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+  """The first rows, in order, as up to num_batches whole batches."""
+  n = min(num_batches, len(data.tokens) // batch_size)
+  if n < 1:
+    raise ValueError(f"{len(data.tokens)} held-out conversations make no batch of {batch_size}")
+  return [{"tokens": data.tokens[i * batch_size:(i + 1) * batch_size],
+           "loss_mask": data.loss_mask[i * batch_size:(i + 1) * batch_size]} for i in range(n)]
+
+
+def load(folder: str, split: str, tokenizer, template: str, seq_len: int) -> ChatRows:
+  """Rows of `train.jsonl` or (split "validation") `heldout.jsonl` in an
+  instruction folder (`python -m mdlm_jax.corpus instructions`)."""
+  import os
+  name = {"train": "train.jsonl", "validation": "heldout.jsonl"}[split]
+  path = os.path.join(folder, name)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found: data.corpus of a chat run is a folder with train.jsonl and"
+                            " heldout.jsonl")
+  return rows(read_jsonl(path), tokenizer, template, seq_len)
+
+
+__all__: Sequence[str] = ["ChatRows", "eval_batches", "load", "read_jsonl", "rows", "split_response",
+                          "train_iterator"]

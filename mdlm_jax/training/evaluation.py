@@ -23,8 +23,10 @@ from mdlm_jax.diffusion.objectives import MDLMObjective
 
 def make_eval_step(spec: ModelSpec, objective):
   @jax.jit
-  def step(params, tokens, key):
-    return objective(bind(spec, params), tokens, key)
+  def step(params, batch, key):
+    if isinstance(batch, dict):  # instruction tuning: the response only
+      return objective(bind(spec, params), batch["tokens"], key, loss_mask=batch["loss_mask"])
+    return objective(bind(spec, params), batch, key)
   return step
 
 
@@ -37,8 +39,8 @@ def evaluate(spec: ModelSpec, objective, params, batches: Sequence[np.ndarray], 
   base = jax.random.PRNGKey(seed)
   total, count = 0.0, 0.0
   for i, batch in enumerate(batches):
-    batch = np.asarray(batch, np.int32)
-    tokens = jnp.asarray(batch) if mesh is None else sharding.global_batch(batch, mesh)
+    tokens = jax.tree.map(lambda x: jnp.asarray(x) if mesh is None else sharding.global_batch(np.asarray(x), mesh),
+                          batch)
     for j in range(samples):
       s, n = step_fn(params, tokens, jax.random.fold_in(jax.random.fold_in(base, i), j))
       total += float(s)

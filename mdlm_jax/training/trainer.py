@@ -27,6 +27,8 @@ from mdlm_jax.model.spec import ModelSpec, bind, init_params, model_spec
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.training.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
+from mdlm_jax.checkpoints import chat_template
+from mdlm_jax.data import chat
 from mdlm_jax.data.tokenizer import CHAT_AND_FIM_PIECES, Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
 
 
@@ -58,21 +60,24 @@ class StepConfig:
 
 
 def make_train_step(spec: ModelSpec, objective, optimizer, sc: StepConfig):
-  """Returns step(weights, train, tokens, key) -> (weights, train, metrics)."""
+  """Returns step(weights, train, batch, key) -> (weights, train, metrics);
+  `batch` is the tokens [b, l], or {"tokens", "loss_mask"} for instruction
+  tuning (data/chat.py)."""
 
-  def loss_sum(params, tokens, key):
-    return objective(bind(spec, params), tokens, key)
+  def loss_sum(params, batch, key):
+    return objective(bind(spec, params), batch["tokens"], key, loss_mask=batch.get("loss_mask"))
 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
-  def step(weights, train, tokens, key):
+  def step(weights, train, batch, key):
     params = weights["params"]
+    batch = batch if isinstance(batch, dict) else {"tokens": batch}
     key = jax.random.fold_in(key, train["step"])
     if sc.accum_steps == 1:
-      (total, count), grads = grad_fn(params, tokens, key)
+      (total, count), grads = grad_fn(params, batch, key)
     else:
-      micro = tokens.reshape(sc.accum_steps, -1, tokens.shape[-1])
-      micro = sharding.constrain(micro, (None, "batch", "length"))
+      micro = jax.tree.map(lambda x: sharding.constrain(x.reshape(sc.accum_steps, -1, x.shape[-1]),
+                                                        (None, "batch", "length")), batch)
 
       def body(carry, xs):
         i, mb = xs
@@ -240,8 +245,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     resumed_meta = checkpointer.read_meta(workdir)[0]
     _same_model(resumed_meta["config"], config)
 
-  train_docs = data.load_documents(config.data.corpus, "train", config.data.validation_fraction,
-                                   config.data.text_field)
+  chat_run = config.data.get("kind", "text") == "chat"
+  if chat_run:  # instruction tuning: conversations, rendered with the run's chat template
+    template = chat_template.named(config.data.chat_template)
+    conversations = chat.read_jsonl(os.path.join(config.data.corpus, "train.jsonl"))
+    train_docs = [chat_template.render(template, c["messages"], tools=c.get("tools")) for c in conversations]
+  else:
+    train_docs = data.load_documents(config.data.corpus, "train", config.data.validation_fraction,
+                                     config.data.text_field)
   init = load_init(config, mesh) if resumed_meta is None else None
   tokenizer = setup_tokenizer(config, workdir, train_docs, resumed_meta, init)
   cfg = ModelConfig.from_config(config.model, vocab_size=tokenizer.vocab_size)
@@ -256,11 +267,17 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   meta = checkpointer.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
 
   local_batch = config.data.batch_size // jax.process_count()
-  it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
-                                seed=config.data.shuffle_seed, process_index=jax.process_index(),
-                                process_count=jax.process_count(), num_shards=num_reader_shards(config),
-                                fim_rate=float(config.data.get("fim_rate", 0.0)),
-                                fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)))
+  if chat_run:
+    rows = chat.rows(conversations, tokenizer, template, config.data.seq_len)
+    log(f"{len(rows.tokens)} conversations, {rows.too_long} longer than {config.data.seq_len} tokens left out")
+    it = chat.train_iterator(rows, local_batch, config.data.shuffle_seed, process_index=jax.process_index(),
+                             process_count=jax.process_count())
+  else:
+    it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
+                                  seed=config.data.shuffle_seed, process_index=jax.process_index(),
+                                  process_count=jax.process_count(), num_shards=num_reader_shards(config),
+                                  fim_rate=float(config.data.get("fim_rate", 0.0)),
+                                  fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)))
   with jax.set_mesh(mesh):
     params = init_params(spec, config.seed) if init is None else init_from_weights(init, spec, config.train.init_from)
     if init is not None:
@@ -307,7 +324,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     def run_eval(step: int) -> dict:
       nonlocal eval_docs, eval_batches
-      if eval_batches is None:
+      if eval_batches is None and chat_run:
+        eval_batches = chat.eval_batches(chat.load(config.data.corpus, "validation", tokenizer, template,
+                                                   config.data.seq_len), config.data.batch_size,
+                                         config.train.eval_batches)
+      elif eval_batches is None:
         eval_docs = data.load_documents(config.data.corpus, "validation", config.data.validation_fraction,
                                         config.data.text_field)
         eval_batches = data.make_eval_batches(eval_docs, tokenizer, seq_len=config.data.seq_len,
@@ -338,9 +359,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     stopping = False
     with Stop() as stop:
       while step < config.train.num_steps and not stopping:
-        batch = next(it)["tokens"]
-        tokens = jax.make_array_from_process_local_data(batch_sharding, np.asarray(batch, np.int32))
-        weights, train_state, m = step_fn(weights, train_state, tokens, base_key)
+        batch = {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+                 for k, v in next(it).items()}
+        weights, train_state, m = step_fn(weights, train_state, batch, base_key)
         step += 1
         if compiled_at is None:
           jax.block_until_ready(m)

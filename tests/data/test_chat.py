@@ -47,13 +47,19 @@ def test_rows_pad_with_scored_eos_and_leave_out_what_does_not_fit():
     chat.rows([long], tok, CHATML, seq_len=64)
 
 
-def test_batches_shuffle_every_epoch_and_cover_all_rows():
+def test_batches_shuffle_every_epoch_cover_all_rows_and_resume():
   data = chat.ChatRows(np.arange(10)[:, None].repeat(4, 1).astype(np.int32), np.ones((10, 4), bool), 0)
-  it = chat.batches(data, 5, seed=0)
+  it = chat.train_iterator(data, 5, seed=0)
   first = np.concatenate([next(it)["tokens"][:, 0] for _ in range(2)])
+  state = it.get_state()
   second = np.concatenate([next(it)["tokens"][:, 0] for _ in range(2)])
-  assert sorted(first) == sorted(second) == list(range(10))
-  again = chat.batches(data, 5, seed=0)
-  assert np.array_equal(next(again)["tokens"], data.tokens[np.sort(first[:5])])
+  assert sorted(first) == sorted(second) == list(range(10)) and not np.array_equal(first, second)
+  again = chat.train_iterator(data, 5, seed=0)
+  again.set_state(state)
+  assert np.array_equal(np.concatenate([next(again)["tokens"][:, 0] for _ in range(2)]), second)
+  halves = [np.concatenate([next(chat.train_iterator(data, 5, seed=0, process_index=i, process_count=2))["tokens"]
+                            [:, 0]]) for i in range(2)]
+  assert sorted(np.concatenate(halves)) == list(range(10))  # each process reads its own rows
   with pytest.raises(ValueError, match="more than"):
-    next(chat.batches(data, 11, seed=0))
+    chat.train_iterator(data, 11, seed=0)
+  assert [b["tokens"].shape for b in chat.eval_batches(data, 4, 5)] == [(4, 4), (4, 4)]

@@ -138,3 +138,25 @@ def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_
   c.train.init_from = str(tmp_path / "missing")
   with pytest.raises(FileNotFoundError, match="init_from"):
     trainer.train(c, str(tmp_path / "nothing"))
+
+
+def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp_path):
+  """data.kind=chat: conversations in the chat template, the loss over the
+  answers only; the run evaluates on the held-out file and resumes."""
+  folder = tmp_path / "instructions"
+  folder.mkdir()
+  for name, n in (("train.jsonl", 40), ("heldout.jsonl", 16)):
+    with open(folder / name, "w") as f:
+      for i in range(n):
+        f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                         {"role": "assistant", "content": str(i + 1)}]}) + "\n")
+  tiny_config.data.update(kind="chat", chat_template="chatml", corpus=str(folder), seq_len=96, batch_size=8)
+  tiny_config.train.update(num_steps=4, checkpoint_every=2, log_every=1, eval_every=4, eval_batches=2)
+  out = trainer.train(tiny_config, str(tmp_path / "run"))
+  assert np.isfinite(out["train"]["loss"]) and out["eval"]["tokens"] > 0
+  loaded = checkpoints.load(str(tmp_path / "run"))
+  from mdlm_jax.checkpoints.chat_template import CHATML
+  assert loaded.chat_template == CHATML
+  tiny_config.train.update(num_steps=6)
+  again = trainer.train(tiny_config, str(tmp_path / "run"))
+  assert again["step"] == 6
