@@ -264,6 +264,10 @@ class Engine:
       jax.block_until_ready(self._state)
     return self
 
+  def pass_rows(self, busy: int) -> int:
+    """How many slots a pass covers when slots [0, busy) hold requests."""
+    return self._rows_for(busy)
+
   def pass_seconds(self, slots: int, with_head: bool, repeats: int = 10) -> float:
     """Seconds of one refinement pass over `slots` slots (rounded up to the
     pass size the engine would run), fastest of `repeats` after a warm-up: a
@@ -522,12 +526,15 @@ class Engine:
     return with_head
 
   def _rows_for(self, n: int) -> int:
-    """The pass size for slots [0, n) busy: a power of two (few compiles), at
-    least the mesh's batch shards."""
-    rows = self._min_rows
-    while rows < n:
-      rows *= 2
-    return min(rows, self.num_slots)
+    """The pass size for slots [0, n) busy: the mesh's batch shards times 1, 2,
+    3, 4, 6, 8, 12, 16, ... (powers of two and halfway between): few compiles,
+    and on a device where a pass costs its rows (a CPU), at most a quarter of
+    a pass past two rows spent on idle slots (six busy slots ran in passes of
+    eight with powers of two alone)."""
+    k = 1
+    while self._min_rows * k < n:
+      k = 2 if k == 1 else (k * 3 // 2 if k & (k - 1) == 0 else k // 3 * 4)
+    return min(self._min_rows * k, self.num_slots)
 
   def _release(self, row: int, ev: Event) -> None:
     with self._lock:

@@ -249,7 +249,7 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
   try:
     req = _request(loaded, PROMPTS[1], max_tokens=16)
     assert e.submit(req).result(timeout=120).text == engine.submit(req).result(timeout=120).text
-    assert compiled() == sizes == (6, 3)  # rows 1, 2, 4 x head or not; prompts 16, 24, 32
+    assert compiled() == sizes == (8, 3)  # rows 1, 2, 3, 4 x head or not; prompts 16, 24, 32
   finally:
     e.close(deadline_s=1)
   with pytest.raises(RuntimeError, match="before start"):
@@ -278,6 +278,11 @@ def test_pass_flops_and_timing(loaded):
       e.pass_seconds(1, True)
   finally:
     e.close(deadline_s=1)
+
+
+def test_passes_run_over_few_idle_slots(loaded):
+  e = Engine(loaded, num_slots=16, max_prompt=32, max_new_tokens=16, block_size=8)
+  assert [e.pass_rows(n) for n in range(1, 17)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16]
 
 
 def test_prompt_buckets_pad_at_most_a_third():
