@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -108,7 +109,6 @@ def eval_batches(data: ChatRows, batch_size: int, num_batches: int) -> list[dict
 def load(folder: str, split: str, tokenizer, template: str, seq_len: int) -> ChatRows:
   """Rows of `train.jsonl` or (split "validation") `heldout.jsonl` in an
   instruction folder (`python -m mdlm_jax.corpus instructions`)."""
-  import os
   name = {"train": "train.jsonl", "validation": "heldout.jsonl"}[split]
   path = os.path.join(folder, name)
   if not os.path.isfile(path):

@@ -24,7 +24,8 @@ from mdlm_jax.engine.engine import Request as EngineRequest
 from mdlm_jax.server import chat_template
 from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_messages, parse_model,
-                                      parse_prompt, parse_prompts, parse_sampling, parse_suffix, require_object)
+                                      parse_echo, parse_prompt, parse_prompts, parse_sampling, parse_suffix,
+                                      require_object)
 
 log = logging.getLogger("mdlm_jax.server")
 
@@ -119,7 +120,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     check_fields(body, "completions")
     s = parse_sampling(body, state.limits, default_max_tokens=16)
     suffix = parse_suffix(body) or ""
-    echo = bool(protocol_get_bool(body, "echo"))
+    echo = parse_echo(body)
     if echo and suffix:
       raise APIError(400, "echo: cannot be combined with suffix", param="echo", code="invalid_value")
     prompts = []
@@ -162,13 +163,6 @@ def _model_card(state: ServerState) -> dict:
   return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mdlm_jax",
           "context_length": context, "max_model_len": context, "max_prompt_tokens": state.limits.max_prompt_tokens,
           "max_completion_tokens": state.limits.max_tokens}
-
-
-def protocol_get_bool(body: dict, name: str) -> bool:
-  value = body.get(name)
-  if value is not None and not isinstance(value, bool):
-    raise APIError(400, f"{name}: expected a boolean, got {type(value).__name__}", param=name, code="invalid_value")
-  return bool(value)
 
 
 @dataclasses.dataclass

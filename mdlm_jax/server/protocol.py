@@ -191,6 +191,10 @@ def parse_suffix(body: dict) -> str | None:
   return _get(body, "suffix", str, None)
 
 
+def parse_echo(body: dict) -> bool:
+  return bool(_get(body, "echo", bool, False))
+
+
 def parse_model(body: dict, model_id: str) -> str:
   model = _get(body, "model", str, None)
   if model is None:
