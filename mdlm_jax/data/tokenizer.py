@@ -197,6 +197,21 @@ class Tokenizer:
     """The vocabulary piece of one id, for debugging and display."""
     return self._sp.id_to_piece(int(token_id))
 
+  def token_bytes(self) -> list[bytes | None]:
+    """The bytes each id decodes to inside text, None for the special ids
+    (BOS, EOS, PAD, MASK, UNK), which decode to nothing: what a grammar
+    engine matches tokens by."""
+    out: list[bytes | None] = []
+    for i in range(self.vocab_size):
+      piece = self._sp.id_to_piece(i)
+      if self._sp.is_control(i) or self._sp.is_unknown(i):
+        out.append(None)
+      elif self._sp.is_byte(i):
+        out.append(bytes([int(piece[3:5], 16)]))
+      else:
+        out.append(piece.replace(_SPACE_MARK, " ").encode("utf-8"))
+    return out
+
   def piece_id(self, piece: str) -> int:
     """The id of a whole piece (a chat or FIM marker); ValueError if the
     vocabulary has no such piece."""

@@ -32,6 +32,7 @@ from mdlm_jax.data import fim
 from mdlm_jax.model.spec import decoding_pair
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.model.layers import FEW_ROWS
+from mdlm_jax.sampling import grammar as grammar_lib
 from mdlm_jax.sampling import presets, rule
 from mdlm_jax.sampling.finish import finish
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
@@ -64,6 +65,12 @@ class Request:
   seed: int = 0
   stop: tuple[str, ...] = ()
   suffix_ids: Sequence[int] = ()
+  # Decode under this grammar (left to right, at least one token a pass):
+  # the output is in its language, or cut by max_tokens.
+  grammar: grammar_lib.Grammar | None = None
+  # Tokens besides EOS that end a constrained output where the grammar may
+  # end (a chat template's end of turn).
+  end_ids: tuple[int, ...] = ()
 
   def fixed_row(self) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, RoPE positions) the prefill encodes: [suffix | prompt]."""
@@ -87,13 +94,17 @@ class Event:
 @dataclasses.dataclass
 class Turn:
   """The device work of one engine turn, in order: free `release` rows,
-  admit `admits` [(row, request, key data)], then run one pass over the
-  first `rows` slots (none when 0). `stop` ends every process's loop."""
+  admit `admits` [(row, request, key data)], write the host's commits for
+  constrained rows `guides` [(row, tokens from the old cursor, new cursor,
+  bitmask)], then run one pass over the first `rows` slots (none when 0),
+  `guided` when a constrained row is busy. `stop` ends every process's loop."""
   stop: bool = False
   release: list[int] = dataclasses.field(default_factory=list)
   admits: list[tuple[int, Request, np.ndarray]] = dataclasses.field(default_factory=list)
+  guides: list[tuple[int, list[int], int, np.ndarray]] = dataclasses.field(default_factory=list)
   rows: int = 0
   with_head: bool = False
+  guided: bool = False
 
 
 class Handle:
@@ -114,6 +125,7 @@ class Handle:
     self.slot: int | None = None
     self.emitted = ""
     self.blocks_seen = -1  # finished blocks at the last publish
+    self.constraint: grammar_lib.Constraint | None = None
 
   def add_listener(self, fn: Callable[[], None]) -> None:
     """`fn()` is called (from the engine thread) whenever an event arrives."""
@@ -168,11 +180,13 @@ class Engine:
   `weight_layout`: serve from a copy of the weights in this layout. By
   default, on CPU, passes over a few slots read an [out, in] copy and larger
   passes and prefills the trained layout, each the faster there (the engine
-  then holds the weights twice); elsewhere the weights as loaded."""
+  then holds the weights twice); elsewhere the weights as loaded.
+  `grammar_policy`: how much of a constrained pass's grammatical prefix to
+  commit (`grammar.Constraint.accept`)."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
-               weight_layout: str | None = None):
+               weight_layout: str | None = None, grammar_policy: str = "confident"):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
@@ -183,8 +197,13 @@ class Engine:
     few, many = decoding_pair(loaded, weight_layout)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
-    self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id)
+    self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id,
+                                   loaded.spec.cfg.vocab_size)
     self.max_queue = max_queue
+    if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
+      raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
+    self.grammar_policy = grammar_policy
+    self._guide = slots_lib.compile_guide(self.sc)
     # A model trained with fill-in-the-middle reads the PSM prompt instead.
     self.fim = fim.format_for(loaded.config, tok)
     # (model, admit, step) for passes over at most FEW_ROWS token rows and for larger ones.
@@ -207,6 +226,8 @@ class Engine:
     # (read with every publish), and whether one waited through the last pass.
     self._head = np.zeros(num_slots, bool)
     self._head_waited = False
+    # What the last guided pass proposed for the constrained rows (host copies).
+    self._guided_view: tuple[np.ndarray, ...] | None = None
     self._lock = threading.Condition()
     self._closing = False
     self._stop = False
@@ -334,6 +355,8 @@ class Engine:
     request = self.prepare(request)
     self._check(request)
     h = Handle(request, want_drafts)
+    if request.grammar is not None:  # compiled here, off the engine thread; GrammarError on a bad one
+      h.constraint = self.constraint_for(request)
     with self._lock:
       if self._closing:
         raise EngineClosed("the server is shutting down")
@@ -363,6 +386,13 @@ class Engine:
       self._lock.notify_all()
     if self._thread is not None:
       self._thread.join(timeout=10)
+
+  def constraint_for(self, request: Request) -> grammar_lib.Constraint:
+    """A fresh matcher for the request's grammar over this model's vocabulary
+    (GrammarError naming the request's field if it does not compile)."""
+    vocab = grammar_lib.vocabulary(self.tok, self.loaded.spec.cfg.vocab_size)
+    return grammar_lib.Constraint(request.grammar, vocab, (self.tok.eos_id, *request.end_ids),
+                                  policy=self.grammar_policy)
 
   # -- engine thread --------------------------------------------------------
 
@@ -409,7 +439,8 @@ class Engine:
           if turn.rows:
             self.stats["steps"] += 1
             self.stats["steps_with_head" if turn.with_head else "steps_without_head"] += 1
-            self._publish(self._gather())
+            self.stats["steps_guided"] += int(turn.guided)
+            self._publish(self._gather(turn.guided))
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
       with self._lock:
@@ -432,7 +463,7 @@ class Engine:
         if turn.stop:
           return
         if turn.rows:
-          self._gather()
+          self._gather(turn.guided)
 
   def _plan(self) -> Turn:
     """Process 0's host bookkeeping for the next turn: done and cancelled slots
@@ -465,10 +496,46 @@ class Engine:
       self.stats["admitted"] += 1
       if h.want_drafts:
         h._push(Event("draft", MASK_TEXT * h.request.max_tokens))
+    admitted = {row for row, _, _ in turn.admits}
+    turn.guides = [g for row, h in enumerate(self._slots)
+                   if h is not None and h.constraint is not None and not h.cancelled
+                   for g in [self._constrain(row, h, row in admitted)] if g is not None]
+    self._guided_view = None
     busy = [i for i, h in enumerate(self._slots) if h is not None]
     if busy:
       turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy)
+      turn.guided = any(self._slots[i].constraint is not None for i in busy)
     return turn
+
+  def _constrain(self, row: int, h: Handle, admitted: bool):
+    """The host's half of a constrained row's pass: the grammatical prefix of
+    what the last pass proposed (or, just admitted, nothing yet), then any
+    tokens the grammar forces, as a guide (row, tokens, new cursor, bitmask);
+    None when the row did not move in the last pass."""
+    c, bs = h.constraint, self.sc.block_size
+    t0 = time.perf_counter()
+    cursor = c.committed
+    off = cursor % bs
+    if admitted:
+      taken = []
+    else:
+      if self._guided_view is None:
+        return None
+      proposal, picked, proposed = (a[row] for a in self._guided_view)
+      if not proposed:
+        return None
+      run = int(np.argmin(np.append(picked[off:], False)))  # the rule's picks leading from the cursor
+      taken = c.accept(proposal[off:], run)
+      self.stats["grammar_proposed"] += bs - off
+    taken += c.forced(bs - off - len(taken))
+    tokens = taken + [self.tok.eos_id] * (bs - off - len(taken)) if c.ended else taken
+    allowed = np.zeros(self.sc.bitmask_words, np.uint32) if c.ended else c.allowed()
+    self.stats["grammar_committed"] += len(taken)
+    self.stats["grammar_seconds"] += time.perf_counter() - t0
+    if tokens and off + len(tokens) == bs:  # the block fills: it waits for the cache, unless the request ends
+      last = cursor // bs + 1 >= -(-h.request.max_tokens // bs)
+      self._head[row] = not (c.ended or last)
+    return row, tokens, cursor + len(tokens), allowed
 
   def _share(self, turn: Turn | None) -> Turn:
     """Process 0's turn on every process (itself when it runs alone)."""
@@ -493,18 +560,34 @@ class Engine:
       model, admit, _ = self._programs_for(bucket)
       self._state = admit(model.params, self._state, np.int32(row), fixed, pos, np.int32(n),
                           np.int32(len(r.prompt_ids)), np.int32(n_blocks), r.sampler.decoding(1), key)
+    if turn.guides:
+      self._state = self._guide(self._state, *self._guide_arrays(turn.guides))
     if turn.rows:
-      self._run_pass(turn.rows, turn.with_head)
+      self._run_pass(turn.rows, turn.with_head, turn.guided)
+
+  def _guide_arrays(self, guides):
+    """`slots.guide`'s operands for a turn's guides: tokens land at their
+    offsets in the current block."""
+    n, bs = self.num_slots, self.sc.block_size
+    rows, tokens, take = np.zeros(n, bool), np.zeros((n, bs), np.int32), np.zeros((n, bs), bool)
+    cursor = np.zeros(n, np.int32)
+    allowed = np.zeros((n, self.sc.bitmask_words), np.uint32)
+    for row, toks, new_cursor, mask in guides:
+      off = (new_cursor - len(toks)) % bs
+      rows[row], cursor[row], allowed[row] = True, new_cursor, mask
+      tokens[row, off:off + len(toks)] = toks
+      take[row, off:off + len(toks)] = True
+    return rows, tokens, take, cursor, allowed
 
   def _programs_for(self, token_rows: int):
     """(model, admit, step) for a pass or prefill over this many token rows."""
     return self._few if token_rows <= FEW_ROWS else self._many
 
-  def _run_pass(self, rows: int, with_head: bool) -> None:
+  def _run_pass(self, rows: int, with_head: bool, guided: bool = False) -> None:
     """One refinement pass over slots [0, rows): each carries its block, and
     with `with_head` the finished block before it too."""
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
-    self._state = step(model.params, self._state, rows=rows, with_head=with_head)
+    self._state = step(model.params, self._state, rows=rows, with_head=with_head, guided=guided)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
@@ -512,14 +595,21 @@ class Engine:
       mask[list(rows)] = True
       self._state = self._state.replace(active=_clear_rows(self._state.active, mask))
 
-  def _gather(self):
-    """Host copies of what a publish reads, from every process's rows."""
+  def _gather(self, guided: bool = False):
+    """Host copies of what a publish reads, from every process's rows (and
+    after a guided pass, what it proposed for the constrained rows)."""
     s = self._state
     arrays = (s.gen, s.block, s.active, s.passes, s.head)
+    if guided:
+      arrays += (s.proposal, s.picked, s.proposed)
     if jax.process_count() == 1:
-      return jax.device_get(arrays)
-    from jax.experimental import multihost_utils
-    return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
+      out = jax.device_get(arrays)
+    else:
+      from jax.experimental import multihost_utils
+      out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
+    if guided:
+      self._guided_view = tuple(out[5:])
+    return out[:5]
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
@@ -630,11 +720,18 @@ _SETTINGS = ("threshold", "temperature", "top_p")  # the sampler's floats that t
 def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
   n = sc.num_slots
-  out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head], np.int32),
+  out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides)],
+                            np.int32),
          "release": np.zeros(n, np.int32), "ints": np.zeros((n, 5), np.int32),
          "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
-         "prompts": np.zeros((n, sc.max_prompt), np.int32)}
+         "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 3), np.int32),
+         "guide_tokens": np.zeros((n, sc.block_size), np.int32),
+         "guide_allowed": np.zeros((n, sc.bitmask_words), np.uint32)}
   out["release"][turn.release] = 1
+  for i, (row, tokens, cursor, allowed) in enumerate(turn.guides):
+    out["guide_ints"][i] = (row, len(tokens), cursor)
+    out["guide_tokens"][i, :len(tokens)] = tokens
+    out["guide_allowed"][i] = allowed
   for i, (row, r, key) in enumerate(turn.admits):
     out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids))
     out["floats"][i] = [getattr(r.sampler, f) for f in _SETTINGS]
@@ -647,7 +744,7 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
 def _decode(a: dict[str, np.ndarray], sc) -> Turn:
   """The turn `_encode` wrote: what touches the device. Stop strings and seeds
   stay on process 0 (text matching is host work; the key is sent instead)."""
-  stop, n_admits, rows, with_head = (int(v) for v in a["head"])
+  stop, n_admits, rows, with_head, guided, n_guides = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
     row, plen, max_tokens, min_tokens, slen = (int(v) for v in a["ints"][i])
@@ -657,5 +754,7 @@ def _decode(a: dict[str, np.ndarray], sc) -> Turn:
     admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
                                 suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
                    a["keys"][i].astype(np.uint32)))
-  return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, rows=rows,
-              with_head=bool(with_head))
+  guides = [(int(row), a["guide_tokens"][i, :int(k)].tolist(), int(cursor), a["guide_allowed"][i])
+            for i, (row, k, cursor) in enumerate(a["guide_ints"][:n_guides])]
+  return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, guides=guides,
+              rows=rows, with_head=bool(with_head), guided=bool(guided))

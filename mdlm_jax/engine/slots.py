@@ -24,9 +24,10 @@ from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from mdlm_jax import kernels
 from mdlm_jax.model.spec import ModelSpec, bind
 from mdlm_jax.model.kv_cache import KVCache
-from mdlm_jax.sampling import rule
+from mdlm_jax.sampling import grammar, rule
 
 
 @struct.dataclass
@@ -42,6 +43,13 @@ class Slots:
   decoding: rule.Decoding  # each request's settings of the refinement rule
   key: jax.Array  # [s, 2] uint32: each request's PRNG key data
   passes: Int[Array, "s"]  # forward passes that carried the request
+  # Grammar-constrained requests (see `guide`): the host commits their tokens.
+  constrained: Bool[Array, "s"]
+  cursor: Int[Array, "s"]  # first undecided column: where `allowed` applies
+  allowed: jax.Array  # [s, ceil(vocab / 32)] uint32 token bitmask at the cursor
+  proposal: Int[Array, "s b"]  # the last guided pass's proposals for the current block
+  picked: Bool[Array, "s b"]  # of which the refinement rule would commit these
+  proposed: Bool[Array, "s"]  # whether that pass refined the row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,11 @@ class SlotConfig:
   max_new_tokens: int  # a multiple of block_size
   mask_id: int
   eos_id: int
+  vocab_size: int = 0  # the model's logits (sizes the grammar bitmasks)
+
+  @property
+  def bitmask_words(self) -> int:
+    return grammar.bitmask_words(self.vocab_size)
 
   @property
   def cache_len(self) -> int:
@@ -61,13 +74,16 @@ class SlotConfig:
 
 
 def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
-  s, g = sc.num_slots, sc.max_new_tokens
+  s, g, bs = sc.num_slots, sc.max_new_tokens, sc.block_size
   zeros = lambda: jnp.zeros((s,), jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+  flags = lambda: jnp.zeros((s,), bool)  # noqa: E731
   return Slots(cache=KVCache.init(spec.cfg, s, sc.cache_len, per_row=True),
                gen=jnp.full((s, g), sc.mask_id, jnp.int32), prompt_len=zeros(), block=zeros(), step=zeros(),
-               head=jnp.zeros((s,), bool), active=jnp.zeros((s,), bool), n_blocks=zeros(),
+               head=flags(), active=flags(), n_blocks=zeros(),
                decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
-               key=jnp.zeros((s, 2), jnp.uint32), passes=zeros())
+               key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), constrained=flags(), cursor=zeros(),
+               allowed=jnp.zeros((s, grammar.bitmask_words(spec.cfg.vocab_size)), jnp.uint32),
+               proposal=jnp.zeros((s, bs), jnp.int32), picked=jnp.zeros((s, bs), bool), proposed=flags())
 
 
 def _row_slice(x, row, axis):
@@ -83,7 +99,7 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, row, fixed: Int
   """Resets slot `row` and encodes `fixed[:n_fixed]` (the prompt, after the
   suffix when infilling) at `positions` into its cache row; the generation
   region starts at RoPE position `gen_position`. `decoding`: the request's
-  settings (one row)."""
+  settings (one row). A constrained request's first `guide` follows."""
   model = bind(spec, params)
   c = slots.cache
   sub = KVCache(k=_row_slice(c.k, row, 1), v=_row_slice(c.v, row, 1), valid=jnp.zeros((1, c.max_len), bool),
@@ -101,14 +117,16 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, row, fixed: Int
       cache=cache, gen=slots.gen.at[row].set(sc.mask_id), prompt_len=one(slots.prompt_len, gen_position),
       block=one(slots.block, 0), step=one(slots.step, 0), head=one(slots.head, False),
       active=one(slots.active, True), n_blocks=one(slots.n_blocks, n_blocks),
-      decoding=slots.decoding.put(row, decoding), key=slots.key.at[row].set(key_data), passes=one(slots.passes, 1))
+      decoding=slots.decoding.put(row, decoding), key=slots.key.at[row].set(key_data), passes=one(slots.passes, 1),
+      constrained=one(slots.constrained, False), cursor=one(slots.cursor, 0),
+      proposed=one(slots.proposed, False))
 
 
 def cancel(slots: Slots, row) -> Slots:
   return slots.replace(active=slots.active.at[row].set(False))
 
 
-def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True) -> Slots:
+def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True, guided: bool = False) -> Slots:
   """One refinement pass over every slot (idle slots ride along, committing nothing).
 
   with_head=True: each slot sends [its finished block, if any | its current
@@ -143,18 +161,71 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
                                          commit_len=jnp.zeros_like(s.prompt_len))
   d = s.decoding
   columns = lo[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-  x0, conf = rule.propose(logits, rule.pass_keys(s.key, s.block, s.step), columns, sc.mask_id, d.temperature, d.top_p)
+  keys = rule.pass_keys(s.key, s.block, s.step)
+  x0, conf = rule.propose(logits, keys, columns, sc.mask_id, d.temperature, d.top_p)
+  if guided:
+    x0, conf = _propose_at_cursor(logits, x0, conf, s, lo, keys, sc.mask_id)
   candidates = (tail == sc.mask_id) & moving[:, None]
-  commit = rule.commit(conf, candidates, d.threshold, d.min_tokens)
+  picked = rule.commit(conf, candidates, d.threshold, d.min_tokens)
+  commit = picked & ~s.constrained[:, None] if guided else picked
   new_tail = jnp.where(commit, x0, tail)
+  s = s.replace(cache=cache)
+  if guided:
+    guided_rows = s.constrained & moving
+    s = s.replace(proposal=jnp.where(guided_rows[:, None], x0, s.proposal),
+                  picked=jnp.where(guided_rows[:, None], picked, s.picked), proposed=guided_rows)
+  return _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
+
+
+def _propose_at_cursor(logits, x0, conf, s: Slots, lo, keys, mask_id: int):
+  """x0 and confidence with each constrained row's cursor column redrawn from
+  its logits under its grammar bitmask (same noise: the column's own)."""
+  bs = x0.shape[1]
+  off = jnp.clip(s.cursor - lo, 0, bs - 1)
+  if isinstance(logits, kernels.HeadInput):
+    hidden = jnp.take_along_axis(logits.hidden, off[:, None, None], axis=1)
+    at = kernels.HeadInput(hidden, logits.w, logits.implementation, logits.out_in).logits()
+  else:
+    at = jnp.take_along_axis(logits, off[:, None, None], axis=1)
+  d = s.decoding
+  xc, cc = rule.propose(rule.allow(at.astype(jnp.float32), s.allowed[:, None]), keys, (lo + off)[:, None], mask_id,
+                        d.temperature, d.top_p)
+  here = s.constrained[:, None] & (jnp.arange(bs)[None] == off[:, None])
+  return jnp.where(here, xc, x0), jnp.where(here, cc, conf)
+
+
+def _write_block(sc: SlotConfig, s: Slots, moving, new_tail) -> Slots:
+  """The current block of `moving` rows becomes `new_tail`; a row whose block
+  is then full moves on to the next (its finished block waits for the cache:
+  `head`) or ends (EOS in it, or its last block)."""
+  bs = sc.block_size
+  lo = s.block * bs
   put = jax.vmap(lambda row, blk, start: lax.dynamic_update_slice_in_dim(row, blk, start, 0))
   gen = jnp.where(moving[:, None], put(s.gen, new_tail, jnp.minimum(lo, sc.max_new_tokens - bs)), s.gen)
   finished = moving & ~jnp.any(new_tail == sc.mask_id, axis=-1)
   done = finished & (jnp.any(new_tail == sc.eos_id, axis=-1) | (s.block + 1 >= s.n_blocks))
-  return s.replace(cache=cache, gen=gen, block=jnp.where(finished, s.block + 1, s.block),
+  return s.replace(gen=gen, block=jnp.where(finished, s.block + 1, s.block),
                    step=jnp.where(finished, 0, jnp.where(moving, s.step + 1, s.step)),
-                   head=jnp.where(moving, finished & ~done, s.head & s.active), active=s.active & ~done,
-                   passes=s.passes + moving.astype(jnp.int32))
+                   head=jnp.where(moving, finished & ~done, s.head & s.active), active=s.active & ~done)
+
+
+def guide(sc: SlotConfig, s: Slots, rows: Bool[Array, "s"], tokens: Int[Array, "s b"], take: Bool[Array, "s b"],
+          cursor: Int[Array, "s"], allowed) -> Slots:
+  """The host's commits for constrained `rows` (which become constrained):
+  `tokens` where `take` in the current block (a prefix from the cursor the
+  grammar accepted), then the new `cursor` and its bitmask `allowed`
+  [s, words]. A row whose block fills moves on as after a pass; `take` all
+  False only sets the bitmask."""
+  bs = sc.block_size
+  lo = jnp.minimum(s.block * bs, sc.max_new_tokens - bs)
+  tail = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, bs))(s.gen, lo)
+  writes = rows & s.active & jnp.any(take, axis=-1)
+  out = _write_block(sc, s, writes, jnp.where(take, tokens, tail))
+  # Writing is not a refinement pass: the block's pass count stays.
+  out = out.replace(step=jnp.where(writes & (out.block == s.block), s.step, out.step))
+  return out.replace(constrained=s.constrained | rows, cursor=jnp.where(rows, cursor, s.cursor),
+                     allowed=jnp.where(rows[:, None], jnp.asarray(allowed, jnp.uint32), s.allowed),
+                     proposed=s.proposed & ~rows)
 
 
 def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
@@ -170,12 +241,14 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
   return s.replace(cache=cache, **rest)
 
 
-def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True) -> Slots:
+def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True,
+               guided: bool = False) -> Slots:
   """`step` over slots [0, rows) only: requests take the lowest free slots, so
   a lightly loaded engine runs passes as small as its load."""
   if rows == sc.num_slots:
-    return step(spec, sc, params, s, with_head)
-  head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head)
+    return step(spec, sc, params, s, with_head, guided)
+  head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head,
+              guided)
   out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
   # A pass without head commits nothing to the cache. Writing its unchanged
   # rows back would make XLA copy the whole cache (twice) to order the read
@@ -201,7 +274,13 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
   """(admit, step_first) jitted, with the slot state donated so it is updated
-  in place; step_first(params, state, rows=k, with_head=h) compiles once per (k, h)."""
+  in place; step_first(params, state, rows=k, with_head=h, guided=g) compiles
+  once per (k, h, g)."""
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,)),
-          jax.jit(lambda params, state, rows, with_head=True: step_first(spec, sc, rows, params, state, with_head),
-                  donate_argnums=(1,), static_argnames=("rows", "with_head")))
+          jax.jit(lambda params, state, rows, with_head=True, guided=False:
+                  step_first(spec, sc, rows, params, state, with_head, guided),
+                  donate_argnums=(1,), static_argnames=("rows", "with_head", "guided")))
+
+
+compile_guide = functools.lru_cache(maxsize=None)(
+    lambda sc: jax.jit(functools.partial(guide, sc), donate_argnums=(0,)))

@@ -5,7 +5,10 @@
    probability under the untempered p(x0), [MASK] excluded (SUBS);
 2. commit: every proposal at least `threshold` sure, and never fewer than
    `min_tokens` (the most confident first). Fast-dLLM's rule is
-   (0.9, 1); LLaDA's low-confidence top-k is (never, k).
+   (0.9, 1); LLaDA's low-confidence top-k is (never, k);
+3. constrain (rows under a grammar only): `allow` masks the logits at the
+   row's first undecided column to what the grammar allows there, and the
+   host commits the longest grammatical prefix (`sampling.grammar`).
 
 Both are vectorised over rows with per-row settings, so requests of different
 efforts share one pass (the engine), and the one-shot samplers call the same
@@ -138,6 +141,17 @@ def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold,
   return candidates & ((conf >= jnp.asarray(threshold)[..., None]) | top)
 
 
+def allow(logits: Float[Array, "... v"], bitmask) -> Float[Array, "... v"]:
+  """`logits` with every token a grammar forbids at NEG_INF: `bitmask`
+  [..., ceil(v / 32)] uint32, bit v % 32 of word v // 32 set where token v is
+  allowed (llguidance's layout)."""
+  v = logits.shape[-1]
+  ids = jnp.arange(v, dtype=jnp.uint32)
+  words = jnp.take(jnp.asarray(bitmask, jnp.uint32), (ids // 32).astype(jnp.int32), axis=-1)
+  ok = ((words >> (ids % 32)) & 1).astype(bool)
+  return jnp.where(ok, logits, NEG_INF)
+
+
 def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float) -> None:
   """The one validator of the rule's settings (ValueError naming the field)."""
   if not 0.0 <= threshold <= 1.0 and threshold != NEVER:
@@ -150,4 +164,4 @@ def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-__all__ = ["Decoding", "NEVER", "check", "commit", "noise_words", "pass_keys", "propose", "rank_desc", "row_keys"]
+__all__ = ["Decoding", "NEVER", "allow", "check", "commit", "noise_words", "pass_keys", "propose", "rank_desc", "row_keys"]

@@ -1,6 +1,7 @@
 """The continuous-batching engine: the same tokens as the one-shot generator,
 per-request settings in one batch, drafts, cancellation, a mesh."""
 
+import dataclasses
 import time
 
 import jax
@@ -328,3 +329,67 @@ def test_a_fim_trained_model_infills_from_its_psm_prompt(fim_loaded):
     e.close(deadline_s=1)
   want = gen.generate(["x = ["], suffixes=["]\nprint(x)\n"], max_new_tokens=8, sampler=sampler, seed=1)
   assert done.text == want.completions[0].text and done.completion_tokens <= 8
+
+
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["a", "b", "c"]},
+        "v": {"const": 3},
+        "size": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/small"}]},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/small"}, "maxItems": 2},
+    },
+    "required": ["ok", "kind", "v", "size", "tags"],
+    "additionalProperties": False,
+    "$defs": {"small": {"enum": [1, 2, 3]}},
+}
+
+
+@pytest.fixture(scope="module")
+def guided_engine(loaded):
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=64, block_size=8).start()
+  yield e
+  e.close(deadline_s=1)
+
+
+def test_constrained_outputs_validate_and_others_decode_as_alone(loaded, guided_engine):
+  """JSON-schema requests (greedy and sampled) share passes with a plain one:
+  each output parses and validates (jsonschema is the referee), and the
+  plain request's tokens are exactly the one-shot sampler's."""
+  import json
+
+  import jsonschema
+
+  from mdlm_jax.sampling.grammar import Grammar
+  gen = Generator(loaded)
+  grammar = Grammar.json_schema(GUIDED_SCHEMA)
+  guided = [guided_engine.submit(dataclasses.replace(_request(loaded, "x = ", max_tokens=64, seed=seed, **kw),
+                                                     grammar=grammar))
+            for seed, kw in [(0, {}), (1, dict(temperature=1.0)), (2, dict(temperature=1.0, threshold=0.5))]]
+  plain = guided_engine.submit(_request(loaded, PROMPTS[0], max_tokens=20, **SETTINGS[0]))
+  for h in guided:
+    done = h.result(timeout=120)
+    assert done.finish_reason == "stop", done
+    jsonschema.validate(json.loads(done.text), GUIDED_SCHEMA)
+  want = gen.generate([PROMPTS[0]], max_new_tokens=20, seed=0,
+                      sampler=ThresholdSampler(block_size=8, kv_cache=True, **SETTINGS[0])).completions[0]
+  assert plain.result(timeout=120).text == want.text
+  assert guided_engine.stats["steps_guided"] > 0
+  # Grammatical drafts commit more than one token a pass.
+  assert guided_engine.stats["grammar_committed"] >= guided_engine.stats["steps_guided"]
+
+
+def test_a_constrained_output_cut_by_max_tokens_is_a_prefix_with_length(loaded, guided_engine):
+  import re
+
+  from mdlm_jax.sampling.grammar import Grammar
+  tok = loaded.tokenizer
+  r = dataclasses.replace(_request(loaded, "x = ", max_tokens=6, temperature=1.0), grammar=Grammar.regex("[a-z]{20}"))
+  done = guided_engine.submit(r).result(timeout=120)
+  assert done.finish_reason == "length" and done.completion_tokens == 6
+  assert re.fullmatch("[a-z]+", done.text) and len(tok.encode(done.text)) <= 6
+  r = dataclasses.replace(_request(loaded, "x = ", max_tokens=12, temperature=1.0),
+                          grammar=Grammar.regex("(yes|no)[0-9]"))
+  done = guided_engine.submit(r).result(timeout=120)
+  assert done.finish_reason == "stop" and re.fullmatch("(yes|no)[0-9]", done.text)
