@@ -23,9 +23,10 @@ from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, 
 from mdlm_jax.engine.engine import Request as EngineRequest
 from mdlm_jax.server import chat_template
 from mdlm_jax.server.prometheus import Metrics
-from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_messages, parse_model,
-                                      parse_echo, parse_prompt, parse_prompts, parse_sampling, parse_suffix,
-                                      require_object)
+from mdlm_jax.sampling.grammar import Grammar, GrammarError
+from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_guidance, parse_messages,
+                                      parse_model, parse_echo, parse_prompt, parse_prompts, parse_sampling,
+                                      parse_suffix, require_object)
 
 log = logging.getLogger("mdlm_jax.server")
 
@@ -106,12 +107,14 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     check_fields(body, "chat")
     messages = parse_messages(body)
     s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
+    guide = parse_guidance(body)
     try:
       prompt, stops, add_bos = chat_template.render(messages, state.engine.loaded.chat_template, state.tok)
     except ValueError as e:  # the template refused the conversation (raise_exception)
       raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
     s.stop = tuple(dict.fromkeys(s.stop + stops))
-    return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s)
+    return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s,
+                           grammar=guide, end_ids=_single_tokens(state, stops))
 
   @app.post("/v1/completions")
   async def completions(request: Request):
@@ -119,6 +122,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     parse_model(body, state.model_id)
     check_fields(body, "completions")
     s = parse_sampling(body, state.limits, default_max_tokens=16)
+    guide = parse_guidance(body)
     suffix = parse_suffix(body) or ""
     echo = parse_echo(body)
     if echo and suffix:
@@ -130,7 +134,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
         raise APIError(400, f"prompt[{i}]: token id {state.tok.mask_id} is the mask token, which only the decoder"
                        " writes", param=f"prompt[{i}]", code="invalid_value")
       prompts.append(Prompt(ids, (p if isinstance(p, str) else state.tok.decode(ids)) if echo else ""))
-    return await _generate(state, request, "completions", prompts, s, suffix=suffix)
+    return await _generate(state, request, "completions", prompts, s, suffix=suffix, grammar=guide)
 
   @app.post("/v1/fim/completions")
   async def fim(request: Request):
@@ -202,16 +206,23 @@ async def _read_body(state: ServerState, request: Request) -> dict:
   return require_object(body)
 
 
-def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suffix: str = ""
-                     ) -> list[EngineRequest]:
+def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suffix: str = "",
+                     grammar: Grammar | None = None, end_ids: tuple[int, ...] = ()) -> list[EngineRequest]:
   """One engine request per choice, prompt by prompt and n for each (seeds
   base, base + 1, ...), decoded as the effort means everywhere."""
   sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
   return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,
-                                            suffix_ids=suffix_ids))
+                                            suffix_ids=suffix_ids, grammar=grammar, end_ids=end_ids))
           for p in prompts for i in range(s.n)]
+
+
+def _single_tokens(state: ServerState, texts) -> tuple[int, ...]:
+  """The ids of those `texts` that are one token each (a template's end of
+  turn): where a constrained answer may end besides EOS."""
+  ids = [state.tok.encode(t) for t in texts]
+  return tuple(i[0] for i in ids if len(i) == 1)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -234,6 +245,10 @@ def _submit_all(state: ServerState, reqs: list[EngineRequest], want_drafts: bool
     raise APIError(503, "the server is shutting down", code="shutting_down") from e
   except ContextLengthExceeded as e:
     raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from e
+  except GrammarError as e:
+    for h in handles:
+      h.cancel()
+    raise APIError(400, f"{e.field}: {e}", param=e.field, code="invalid_value") from e
   except ValueError as e:
     raise APIError(400, str(e), code="invalid_value") from e
   return handles
@@ -300,8 +315,8 @@ def _engine_failure(ev) -> APIError | None:
 
 
 async def _generate(state: ServerState, request: Request, kind: str, prompts: list[Prompt], s: Sampling,
-                    suffix: str = ""):
-  reqs = _engine_requests(state, prompts, s, suffix)
+                    suffix: str = "", grammar: Grammar | None = None, end_ids: tuple[int, ...] = ()):
+  reqs = _engine_requests(state, prompts, s, suffix, grammar, end_ids)
   # What the model reads, each prompt once (as OpenAI counts it for n > 1).
   prompt_tokens = sum(len(r.prompt_ids) + len(r.suffix_ids) for r in reqs[::s.n])
   echo = [p.echo for p in prompts for _ in range(s.n)]

@@ -7,8 +7,11 @@ Requests are read as plain JSON and validated here, so every bad field gets a
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Any
 
+from mdlm_jax.sampling.grammar import Grammar, GrammarError
 from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
 
 
@@ -213,11 +216,14 @@ def require_object(body: Any) -> dict:
 
 # -- fields: implemented, or refused by name ---------------------------------------
 
+# Structured outputs: OpenAI's response_format, and vLLM's guided_* fields
+# (what `extra_body` sends from the official client).
+GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
-             "stream", "stream_options", "reasoning_effort", "diffusing", "user"},
+             "stream", "stream_options", "reasoning_effort", "diffusing", "user", *GUIDANCE_FIELDS},
     "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-                    "stream", "stream_options", "reasoning_effort", "diffusing", "user"},
+                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", *GUIDANCE_FIELDS},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
             "stream_options", "reasoning_effort", "diffusing", "user"},
 }
@@ -225,7 +231,7 @@ ENDPOINT_FIELDS = {
 # that asks for nothing (which is then exactly what the server does).
 NEUTRAL_ONLY = {
     "chat": ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "tools",
-             "tool_choice", "parallel_tool_calls", "response_format"),
+             "tool_choice", "parallel_tool_calls"),
     "completions": ("logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of"),
     "fim": (),
 }
@@ -321,24 +327,78 @@ def _parallel_tool_calls(body: dict, name: str) -> None:
   _get(body, name, bool)  # with no tools there is nothing to call, in parallel or not
 
 
-def _response_format(body: dict, name: str) -> None:
-  v = _get(body, name, dict)
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def parse_guidance(body: dict) -> Grammar | None:
+  """The grammar a request's output must follow, from at most one of
+  response_format (text, json_object, json_schema), guided_json,
+  guided_regex, guided_grammar (Lark or GBNF) and guided_choice; None for
+  free text. A malformed one is a 400 naming its field."""
+  given = [name for name in GUIDANCE_FIELDS if body.get(name) is not None
+           and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+  if len(given) > 1:
+    raise _bad(given[1], f"only one output constraint per request; {given[0]} is already given")
+  if not given:
+    if "response_format" in body and body["response_format"] is not None:
+      _response_format_type(body)  # {"type": "text"}: check it all the same
+    return None
+  name = given[0]
+  try:
+    if name == "response_format":
+      return _response_format(body)
+    if name == "guided_json":
+      schema = _get(body, name, (dict, str))
+      if isinstance(schema, str):
+        try:
+          schema = json.loads(schema)
+        except ValueError as e:
+          raise _bad(name, f"not a JSON schema: {e}") from None
+      return Grammar.json_schema(schema, name)
+    if name == "guided_regex":
+      return Grammar.regex(_get(body, name, str), name)
+    if name == "guided_grammar":
+      return Grammar.lark(_get(body, name, str), name)
+    return Grammar.choice(_get(body, name, list), name)
+  except GrammarError as e:
+    raise _bad(e.field, str(e)) from None
+
+
+def _response_format_type(body: dict) -> str:
+  v = _get(body, "response_format", dict)
   kind = v.get("type")
   if kind not in ("text", "json_object", "json_schema"):
-    raise _bad(f"{name}.type", f"must be text, json_object or json_schema, got {kind!r}")
-  if kind == "json_schema":
-    spec = v.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-      raise _bad(f"{name}.json_schema", "must be an object with a name (and a schema)")
-    if "schema" in spec and not isinstance(spec["schema"], dict):
-      raise _bad(f"{name}.json_schema.schema", "must be a JSON Schema object")
-  if kind != "text":
-    raise _unsupported(name, f"structured outputs are not implemented yet ({kind}); only text")
+    raise _bad("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+  for key in v:
+    if key not in ("type", "json_schema"):
+      raise _unsupported(f"response_format.{key}", "not a response_format field")
+  return kind
+
+
+def _response_format(body: dict) -> Grammar:
+  name = "response_format"
+  if _response_format_type(body) == "json_object":
+    return Grammar.json_object(name)
+  spec = body[name].get("json_schema")
+  if not isinstance(spec, dict):
+    raise _bad(f"{name}.json_schema", "must be an object with a name and a schema")
+  if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.fullmatch(spec["name"]):
+    raise _bad(f"{name}.json_schema.name", "must be 1 to 64 letters, digits, _ or -")
+  for key, kinds in (("description", str), ("strict", (bool, type(None)))):
+    if key in spec and not isinstance(spec[key], kinds):
+      raise _bad(f"{name}.json_schema.{key}", f"expected {_kind_name(kinds)}")
+  for key in spec:
+    if key not in ("name", "schema", "description", "strict"):
+      raise _unsupported(f"{name}.json_schema.{key}", "not a json_schema field")
+  schema = spec.get("schema", {})
+  if not isinstance(schema, dict):
+    raise _bad(f"{name}.json_schema.schema", "must be a JSON Schema object")
+  return Grammar.json_schema(schema, f"{name}.json_schema.schema")
 
 
 _CHECKS = {
     "presence_penalty": _number_zero, "frequency_penalty": _number_zero, "logit_bias": _logit_bias,
     ("chat", "logprobs"): _chat_logprobs, "top_logprobs": _top_logprobs, ("completions", "logprobs"):
     _completion_logprobs, "best_of": _best_of, "tools": _tools, "tool_choice": _tool_choice,
-    "parallel_tool_calls": _parallel_tool_calls, "response_format": _response_format,
+    "parallel_tool_calls": _parallel_tool_calls,
 }
