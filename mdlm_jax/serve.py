@@ -22,6 +22,7 @@ import threading
 
 def parse(argv):
   from mdlm_jax.model.layers import WEIGHT_LAYOUTS
+  from mdlm_jax.sampling.grammar import ACCEPT_POLICIES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.serve", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir, checkpoint or params-only folder (default: packaged)")
   p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -37,6 +38,9 @@ def parse(argv):
                  help="serve from the weights in this layout only (default on CPU: out_in for passes over a few"
                       " slots, in_out for larger ones and prefills, each the faster there; as loaded elsewhere)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+  p.add_argument("--grammar-policy", choices=ACCEPT_POLICIES, default="confident",
+                 help="structured outputs: commit the grammatical prefix the effort's rule picks (confident), or"
+                      " every grammatical proposal (valid: more tokens a pass, lower likelihood)")
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -89,7 +93,7 @@ def build(a):
   bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   max_tokens = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
-                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout)
+                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))

@@ -289,10 +289,11 @@ class Engine:
     """How many slots a pass covers when slots [0, busy) hold requests."""
     return self._rows_for(busy)
 
-  def pass_seconds(self, slots: int, with_head: bool, repeats: int = 10) -> float:
+  def pass_seconds(self, slots: int, with_head: bool, repeats: int = 10, guided: bool = False) -> float:
     """Seconds of one refinement pass over `slots` slots (rounded up to the
     pass size the engine would run), fastest of `repeats` after a warm-up: a
-    pass costs the same whether its slots are busy or idle. For benchmarks;
+    pass costs the same whether its slots are busy or idle. `guided`: the
+    pass that runs while a constrained request is busy. For benchmarks;
     call before start()."""
     if self._thread is not None:
       raise RuntimeError("time passes before start(): the engine thread owns the state once started")
@@ -301,7 +302,7 @@ class Engine:
     with self._mesh_context():
       for i in range(repeats + 1):
         t0 = time.perf_counter()
-        self._run_pass(rows, with_head)
+        self._run_pass(rows, with_head, guided)
         jax.block_until_ready(self._state)
         if i:  # the first compiles, or waits for whatever ran before
           best = min(best, time.perf_counter() - t0)

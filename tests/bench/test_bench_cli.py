@@ -41,6 +41,18 @@ def test_bench_serve(tiny_checkpoints, tmp_path):
   assert pc["batching_gain_bound"] == pytest.approx(bound)
 
 
+def test_bench_agent(tiny_checkpoints, tmp_path):
+  out = _bench("agent", f"--checkpoint={tiny_checkpoints['mdlm']}", "--seeds=1", "--max-tokens=48",
+               "--pass-repeats=2", tmp_path=tmp_path)
+  assert set(out["modes"]) == {"unconstrained", "confident", "valid"}
+  for mode in ("confident", "valid"):
+    m = out["modes"][mode]
+    assert m["valid"] == m["valid_of_stopped"] == m["finished_stop"]  # every finished output validates
+    assert m["finished_stop"] + m["finished_length"] == m["requests"] == 5
+    assert m["tokens_per_request_pass"] >= 1  # never less than a token a pass
+    assert m["grammar_host_s_per_pass"] > 0 and set(m["pass_time_added"]) == {"with_head=False", "with_head=True"}
+
+
 def test_bench_sample(tiny_checkpoints, tmp_path):
   out = _bench("sample", f"--mdlm={tiny_checkpoints['mdlm']}", f"--ar={tiny_checkpoints['ar']}", "--skip-100m",
                "--num-prompts=1", "--batch-sizes=1", "--efforts=medium", "--repeats=2", "--new-tokens=16",
