@@ -30,7 +30,7 @@ import json
 import sys
 import time
 
-from mdlm_jax.bench.common import add_output_flags, emit, save_figure
+from mdlm_jax.bench.common import add_output_flags, emit, load_checkpoint, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
 
 _NAME = {"type": "string"}
@@ -150,13 +150,7 @@ def main(argv):
   a = parse(argv)
   from absl import logging
   logging.set_verbosity(logging.ERROR)
-  from mdlm_jax import checkpoints, cli
-  from mdlm_jax.checkpoints import packaged
-  try:
-    path = a.checkpoint or packaged.path()
-    loaded = checkpoints.load(path)
-  except cli.USER_ERRORS as e:
-    cli.fail("bench agent", e)
+  path, loaded = load_checkpoint(a.checkpoint, "bench agent")
   result = {"bench": "agent", "checkpoint": path, "tasks": [t[0] for t in TASKS], "seeds": a.seeds,
             "max_tokens": a.max_tokens, "effort": a.effort, "temperature": a.temperature, "modes": {}}
   from mdlm_jax.training.evaluation import Scorer

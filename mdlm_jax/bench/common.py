@@ -39,3 +39,15 @@ def emit(result: dict, a: argparse.Namespace) -> None:
     with open(a.out, "w") as f:
       f.write(json.dumps(result, indent=2) + "\n")
   print(json.dumps(result, indent=None if a.json else 2))
+
+
+def load_checkpoint(path: str | None, command: str):
+  """(path, loaded) of `path`, or of the packaged model when None; a bad
+  path ends the command with its error, as the CLIs do."""
+  from mdlm_jax import checkpoints, cli
+  from mdlm_jax.checkpoints import packaged
+  try:
+    path = path or packaged.path()
+    return path, checkpoints.load(path)
+  except cli.USER_ERRORS as e:
+    cli.fail(command, e)

@@ -278,10 +278,8 @@ def main(argv=None):
     backend = ServerBackend(a.url, model=a.model, api_key=a.api_key, effort=a.effort, temperature=a.temperature)
     result["url"] = a.url
   else:
-    from mdlm_jax import checkpoints
-    from mdlm_jax.checkpoints import packaged
-    path = a.checkpoint or packaged.path()
-    loaded = checkpoints.load(path)
+    from mdlm_jax.bench.common import load_checkpoint
+    path, loaded = load_checkpoint(a.checkpoint, "bench humaneval")
     result["checkpoint"] = path
     if loaded.spec.cfg.causal:
       backend = ARBackend(loaded, temperature=a.temperature)
