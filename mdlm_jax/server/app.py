@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, QueueFull
 from mdlm_jax.engine.engine import Request as EngineRequest
 from mdlm_jax.server import chat_template
+from mdlm_jax.server import tools as tools_lib
 from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
 from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_guidance, parse_messages,
@@ -109,12 +110,27 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
     guide = parse_guidance(body)
     try:
-      prompt, stops, add_bos = chat_template.render(messages, state.engine.loaded.chat_template, state.tok)
+      tools = tools_lib.parse(body)
+      tools_lib.check_history(messages)
+    except tools_lib.ToolError as e:
+      raise APIError(400, str(e), param=e.param, code="invalid_value") from e
+    calling = tools is not None and tools.choice != "none"
+    if calling and guide is not None:
+      field = next(f for f in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+                   if body.get(f) is not None)
+      raise APIError(400, f"{field}: cannot be combined with tool calls (tool_choice {tools.choice!r})",
+                     param=field, code="invalid_value")
+    try:
+      prompt, stops, add_bos = chat_template.render(messages, state.engine.loaded.chat_template, state.tok,
+                                                    tools=list(tools.specs) if tools else None)
     except ValueError as e:  # the template refused the conversation (raise_exception)
       raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
+    if tools is not None and not calling:
+      stops += (tools_lib.OPEN,)  # tool_choice none: the answer ends before any call
     s.stop = tuple(dict.fromkeys(s.stop + stops))
     return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s,
-                           grammar=guide, end_ids=_single_tokens(state, stops))
+                           grammar=tools_lib.grammar(tools) if calling else guide,
+                           end_ids=_single_tokens(state, stops), calls=calling)
 
   @app.post("/v1/completions")
   async def completions(request: Request):
@@ -301,6 +317,12 @@ def _chunk(kind: str, rid: str, state: ServerState, created: int, index: int, te
           "choices": [{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}]}
 
 
+def _delta_chunk(rid: str, state: ServerState, created: int, index: int, delta: dict) -> dict:
+  """A chat chunk with a tool-call stream's delta (content or tool_calls)."""
+  return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
+          "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+
 def _sse(obj) -> str:
   return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -315,7 +337,9 @@ def _engine_failure(ev) -> APIError | None:
 
 
 async def _generate(state: ServerState, request: Request, kind: str, prompts: list[Prompt], s: Sampling,
-                    suffix: str = "", grammar: Grammar | None = None, end_ids: tuple[int, ...] = ()):
+                    suffix: str = "", grammar: Grammar | None = None, end_ids: tuple[int, ...] = (),
+                    calls: bool = False):
+  """`calls`: the answer may hold tool calls, returned as `tool_calls`."""
   reqs = _engine_requests(state, prompts, s, suffix, grammar, end_ids)
   # What the model reads, each prompt once (as OpenAI counts it for n > 1).
   prompt_tokens = sum(len(r.prompt_ids) + len(r.suffix_ids) for r in reqs[::s.n])
@@ -349,7 +373,14 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
     choices = []
     for i in range(len(reqs)):
       ev = finals[i]
-      if kind == "chat":
+      if kind == "chat" and calls:
+        content, made = tools_lib.split(ev.text)
+        message = {"role": "assistant", "content": content}
+        if made:
+          message["tool_calls"] = [c.message() for c in made]
+        choices.append({"index": i, "message": message, "logprobs": None,
+                        "finish_reason": "tool_calls" if made and ev.finish_reason == "stop" else ev.finish_reason})
+      elif kind == "chat":
         choices.append({"index": i, "message": {"role": "assistant", "content": ev.text}, "logprobs": None,
                         "finish_reason": ev.finish_reason})
       else:
@@ -357,6 +388,13 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
     return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                          "created": created, "model": state.model_id, "choices": choices,
                          "usage": _usage(prompt_tokens, completion)})
+
+  call_streams = [tools_lib.CallStream() for _ in reqs] if calls else None
+  answers = [""] * len(reqs)
+
+  def call_chunks(i: int, final: bool):
+    for delta in call_streams[i].feed(answers[i], final=final):
+      yield _sse(_delta_chunk(rid, state, created, i, delta))
 
   async def stream():
     completion, reasons = 0, []
@@ -369,6 +407,10 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
       async for i, ev in _events(handles, request):
         if ev.kind == "draft" and s.diffusing:
           yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
+        elif ev.kind == "delta" and not s.diffusing and calls:
+          answers[i] += ev.text
+          for chunk in call_chunks(i, final=False):
+            yield chunk
         elif ev.kind == "delta" and not s.diffusing:
           yield _sse(_chunk(kind, rid, state, created, i, ev.text, None))
         elif ev.kind == "done":
@@ -380,9 +422,18 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
             return
           completion += ev.completion_tokens
           reasons.append(ev.finish_reason)
-          if s.diffusing:  # the last draft is the answer itself
+          finish = ev.finish_reason
+          if s.diffusing:  # the last draft is the answer itself (calls as written)
             yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
-          yield _sse(_chunk(kind, rid, state, created, i, None if kind == "chat" else "", ev.finish_reason))
+            if calls and tools_lib.split(ev.text)[1] and finish == "stop":
+              finish = "tool_calls"
+          elif calls:
+            answers[i] = ev.text
+            for chunk in call_chunks(i, final=True):
+              yield chunk
+            if call_streams[i].calls and finish == "stop":
+              finish = "tool_calls"
+          yield _sse(_chunk(kind, rid, state, created, i, None if kind == "chat" else "", finish))
       if s.include_usage:
         yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                     "created": created, "model": state.model_id, "choices": [],

@@ -18,7 +18,7 @@ TURN_STOP = "\n" + USER
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def render_plain(messages: list[dict[str, str]]) -> str:
+def render_plain(messages: list[dict]) -> str:
   parts = []
   for m in messages:
     if m["role"] == "system":
@@ -29,12 +29,18 @@ def render_plain(messages: list[dict[str, str]]) -> str:
   return "".join(parts)
 
 
-def render(messages: list[dict], template: str | None, tok) -> tuple[str, tuple[str, ...], bool]:
+def render(messages: list[dict], template: str | None, tok, tools: list[dict] | None = None
+           ) -> tuple[str, tuple[str, ...], bool]:
   """(prompt, stop strings, whether to put BOS before it). A template that
-  writes the BOS piece itself gets no second one."""
+  writes the BOS piece itself gets no second one. A conversation with tools
+  or tool turns on a checkpoint without a template is rendered in ChatML,
+  the format of the calls the server decodes."""
+  if template is None and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
+    template = chat_template.CHATML
   if template is None:
     return render_plain(messages), (TURN_STOP,), True
   bos = tok.piece(tok.bos_id)
   special = {"bos_token": bos, "eos_token": tok.piece(tok.eos_id)}
-  prompt = chat_template.render(template, messages, add_generation_prompt=True, special_tokens=special)
+  prompt = chat_template.render(template, messages, tools=tools, add_generation_prompt=True,
+                                special_tokens=special)
   return prompt, tuple(t for t in TURN_ENDS if t in template), not prompt.startswith(bos)

@@ -128,7 +128,10 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
   return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user)
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+  """Chat messages as the template reads them: role and content (text parts
+  joined), an assistant's `tool_calls`, a tool message's `tool_call_id`,
+  and an optional `name`; anything else is a 400 naming it."""
   messages = _get(body, "messages", list, None)
   if not messages:
     raise APIError(400, "messages: a non-empty array is required", param="messages", code="missing_required_field")
@@ -137,20 +140,61 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     if not isinstance(m, dict):
       raise _bad(f"messages[{i}]", "each message must be an object")
     role = m.get("role")
-    if role not in ("system", "developer", "user", "assistant"):
-      raise _bad(f"messages[{i}].role", f"must be system, developer, user or assistant, got {role!r}")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-      if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        raise _bad(f"messages[{i}].content", "only text content parts are supported")
-      content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-      raise _bad(f"messages[{i}].content", "must be a string or an array of text parts")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+      raise _bad(f"messages[{i}].role", f"must be system, developer, user, assistant or tool, got {role!r}")
     for key in m:
-      if key not in ("role", "content"):
-        raise _unsupported(f"messages[{i}].{key}", "only role and content are supported in messages")
-    out.append({"role": "system" if role == "developer" else role, "content": content})
+      if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
+        raise _unsupported(f"messages[{i}].{key}", "not a message field this server implements")
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    calls = m.get("tool_calls")
+    if calls is not None:
+      if role != "assistant":
+        raise _bad(f"messages[{i}].tool_calls", "only assistant messages make tool calls")
+      if not isinstance(calls, list):
+        raise _bad(f"messages[{i}].tool_calls", "must be an array")
+      msg["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+    content = m.get("content")
+    if content is None and role == "assistant" and msg.get("tool_calls"):
+      content = ""
+    msg["content"] = _text(content, f"messages[{i}].content")
+    if role == "tool":
+      if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+        raise APIError(400, f"messages[{i}].tool_call_id: a tool message must name the call it answers",
+                       param=f"messages[{i}].tool_call_id", code="missing_required_field")
+      msg["tool_call_id"] = m["tool_call_id"]
+    elif "tool_call_id" in m:
+      raise _bad(f"messages[{i}].tool_call_id", "only tool messages answer tool calls")
+    if "name" in m:
+      if not isinstance(m["name"], str):
+        raise _bad(f"messages[{i}].name", "must be a string")
+      msg["name"] = m["name"]
+    out.append(msg)
   return out
+
+
+def _text(content, param: str) -> str:
+  if isinstance(content, list):  # content parts: text only
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+      raise _bad(param, "only text content parts are supported")
+    content = "".join(p["text"] for p in content)
+  if not isinstance(content, str):
+    raise _bad(param, "must be a string or an array of text parts")
+  return content
+
+
+def _tool_call(call, param: str) -> dict:
+  fn = call.get("function") if isinstance(call, dict) else None
+  if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict):
+    raise _bad(param, 'a tool call is {"id", "type": "function", "function": {"name", "arguments"}}')
+  if not isinstance(call.get("id"), str) or not call["id"]:
+    raise _bad(f"{param}.id", "a tool call needs an id")
+  if not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+    raise _bad(f"{param}.function", "needs a name and its arguments as a JSON string")
+  try:
+    json.loads(fn["arguments"])
+  except ValueError:
+    raise _bad(f"{param}.function.arguments", "is not JSON") from None
+  return {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
 
 
 def parse_prompts(body: dict, vocab_size: int, limits: Limits, n: int) -> list[str | list[int]]:
@@ -221,7 +265,8 @@ def require_object(body: Any) -> dict:
 GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
-             "stream", "stream_options", "reasoning_effort", "diffusing", "user", *GUIDANCE_FIELDS},
+             "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",
+             "parallel_tool_calls", *GUIDANCE_FIELDS},
     "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
                     "stream", "stream_options", "reasoning_effort", "diffusing", "user", *GUIDANCE_FIELDS},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
@@ -230,8 +275,7 @@ ENDPOINT_FIELDS = {
 # OpenAI fields not implemented yet: checked, and accepted only at the value
 # that asks for nothing (which is then exactly what the server does).
 NEUTRAL_ONLY = {
-    "chat": ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "tools",
-             "tool_choice", "parallel_tool_calls"),
+    "chat": ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"),
     "completions": ("logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of"),
     "fim": (),
 }
@@ -298,33 +342,6 @@ def _best_of(body: dict, name: str) -> None:
     raise _bad(name, f"must be at least n ({n}), got {v}")
   if v != n:
     raise _unsupported(name, "best_of is not implemented (only equal to n)")
-
-
-def _tools(body: dict, name: str) -> None:
-  tools = _get(body, name, list)
-  for i, t in enumerate(tools):
-    fn = t.get("function") if isinstance(t, dict) else None
-    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) or \
-        not isinstance(fn.get("name"), str):
-      raise _bad(f"{name}[{i}]", 'each tool must be {"type": "function", "function": {"name": ..., ...}}')
-  if tools:
-    raise _unsupported(name, "tool calling is not implemented yet (only an empty array)")
-
-
-def _tool_choice(body: dict, name: str) -> None:
-  v = _get(body, name, (str, dict))
-  if isinstance(v, str):
-    if v not in ("none", "auto", "required"):
-      raise _bad(name, f"must be none, auto, required or a named function, got {v!r}")
-  elif v.get("type") != "function" or not isinstance(v.get("function"), dict) or \
-      not isinstance(v["function"].get("name"), str):
-    raise _bad(name, 'a named choice is {"type": "function", "function": {"name": ...}}')
-  if v not in ("none", "auto"):  # with no tools, auto calls none
-    raise _unsupported(name, "tool calling is not implemented yet (only none or auto)")
-
-
-def _parallel_tool_calls(body: dict, name: str) -> None:
-  _get(body, name, bool)  # with no tools there is nothing to call, in parallel or not
 
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -399,6 +416,5 @@ def _response_format(body: dict) -> Grammar:
 _CHECKS = {
     "presence_penalty": _number_zero, "frequency_penalty": _number_zero, "logit_bias": _logit_bias,
     ("chat", "logprobs"): _chat_logprobs, "top_logprobs": _top_logprobs, ("completions", "logprobs"):
-    _completion_logprobs, "best_of": _best_of, "tools": _tools, "tool_choice": _tool_choice,
-    "parallel_tool_calls": _parallel_tool_calls,
+    _completion_logprobs, "best_of": _best_of,
 }

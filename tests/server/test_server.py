@@ -205,10 +205,8 @@ REFUSED = [  # (field, value, code): well formed but not implemented, or malform
     ("presence_penalty", 0.5, "unsupported_parameter"), ("frequency_penalty", 3, "invalid_value"),
     ("logprobs", True, "unsupported_parameter"), ("top_logprobs", 3, "unsupported_parameter"),
     ("top_logprobs", 99, "invalid_value"), ("logit_bias", {"5": 10}, "unsupported_parameter"),
-    ("logit_bias", [1], "invalid_value"), ("tools", [{"type": "function", "function": {"name": "f"}}],
-                                           "unsupported_parameter"),
-    ("tools", "f", "invalid_value"), ("tool_choice", "required", "unsupported_parameter"),
-    ("tool_choice", "sometimes", "invalid_value"), ("parallel_tool_calls", "yes", "invalid_value"),
+    ("logit_bias", [1], "invalid_value"), ("tools", "f", "invalid_value"),
+    ("tool_choice", "sometimes", "invalid_value"),
     ("response_format", {"type": "xml"}, "invalid_value"), ("user", 7, "invalid_value"),
     ("functions", [], "unsupported_parameter"), ("frobnicate", 1, "unsupported_parameter"),
 ]
@@ -225,8 +223,8 @@ def test_every_field_is_implemented_or_refused_by_name(server):
     param = "response_format.type" if value == {"type": "xml"} else field
     assert (err["param"], err["code"]) == (param, code), (field, value, err)
   err = _error(base, "POST", "/v1/chat/completions", 400,
-               json={**ok, "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
-  assert err["param"] == "messages[0].name"
+               json={**ok, "messages": [{"role": "user", "content": "hi", "audio": {"id": "x"}}]})
+  assert err["param"] == "messages[0].audio"
   done = {"model": "tiny", "prompt": "x", "max_tokens": 4}
   for field, value in (("logprobs", 2), ("best_of", 3), ("suffix", 5), ("echo", "yes"), ("prompt", [[1], "a", 3]),
                        ("messages", [])):
@@ -556,6 +554,115 @@ def test_bad_constraints_are_400s_naming_the_field(server):
       ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
       ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
       ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+  ]
+  for extra, param in cases:
+    err = _error(base, "POST", "/v1/chat/completions", 400, json={**ok, **extra})
+    assert err["param"] == param, (extra, err)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                                    "celsius": {"type": "boolean"}},
+                   "required": ["city", "celsius"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+
+
+@pytest.fixture(scope="module")
+def tool_client(tiny_checkpoints):
+  """A server whose prompts fit a tools preamble (the tiny tokenizer spends
+  some 600 tokens on two tool signatures)."""
+  proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--max-prompt-tokens=1024",
+                      "--max-tokens=128")
+  yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+  proc.kill()
+
+
+def _check_calls(calls, names=("get_weather", "get_time")):
+  """Every call names a tool and its arguments validate against that tool's parameters."""
+  import json
+
+  import jsonschema
+  specs = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+  assert calls
+  for c in calls:
+    assert c.id.startswith("call_") and c.type == "function" and c.function.name in names
+    jsonschema.validate(json.loads(c.function.arguments), specs[c.function.name])
+
+
+def test_tool_calls_validate_streamed_or_not(tool_client):
+  """tool_choice required and named, parallel or not, greedy and sampled,
+  through the official client; a streamed call assembles into the same shape."""
+  r = _chat(tool_client, tools=TOOLS, tool_choice="required", max_tokens=128)
+  c = r.choices[0]
+  # Parallel calls: a random model may go on calling until max_tokens; every
+  # complete call is returned and validates either way.
+  assert c.finish_reason in ("tool_calls", "length") and not c.message.content
+  _check_calls(c.message.tool_calls)
+  r = _chat(tool_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=96,
+            temperature=1.0, seed=4)
+  assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+  _check_calls(r.choices[0].message.tool_calls, names=("get_time",))
+  r = _chat(tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=96, temperature=1.0,
+            seed=2, n=2)
+  for c in r.choices:
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    _check_calls(c.message.tool_calls)
+  calls, finish = {}, None
+  for chunk in _chat(tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=96,
+                     temperature=1.0, seed=7, stream=True):
+    for d in chunk.choices[0].delta.tool_calls or []:  # as agent frameworks assemble them
+      slot = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+      slot["arguments"] += d.function.arguments or ""
+    finish = chunk.choices[0].finish_reason or finish
+  assert finish == "tool_calls"
+  from openai.types.chat import ChatCompletionMessageToolCall
+  _check_calls([ChatCompletionMessageToolCall(id=v["id"], type="function",
+                                              function={"name": v["name"], "arguments": v["arguments"]})
+                for _, v in sorted(calls.items())])
+
+
+def test_an_agent_loop_runs_unchanged(tool_client):
+  """The loop agent frameworks run: ask with tools (auto), execute the calls,
+  append the assistant message object and the tool results, ask again."""
+  messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+  first = _chat(tool_client, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=96)
+  message = first.choices[0].message
+  messages.append(message)  # the client's own message object goes back as is
+  for call in message.tool_calls:
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 3}'})
+  second = _chat(tool_client, messages=messages, tools=TOOLS, max_tokens=64)
+  c = second.choices[0]
+  assert c.finish_reason in ("stop", "length", "tool_calls")
+  if c.message.tool_calls:  # auto: a call, if the model makes one, validates too
+    _check_calls(c.message.tool_calls)
+  none = _chat(tool_client, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=64)
+  assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+  assert "<tool_call>" not in none.choices[0].message.content
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server):
+  base = server[1]
+  ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+  call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+  history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+  cases = [
+      ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+      ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
+      ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+      ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+      ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+      ({"tool_choice": "required"}, "tool_choice"),
+      ({"messages": history + [{"role": "tool", "content": "3"}]}, "messages[2].tool_call_id"),
+      ({"messages": history + [{"role": "tool", "tool_call_id": "call_9", "content": "3"}]},
+       "messages[2].tool_call_id"),
+      ({"messages": [{"role": "user", "content": "hi", "tool_calls": [call]}]}, "messages[0].tool_calls"),
+      ({"messages": [history[0], {"role": "assistant", "tool_calls": [{**call, "function": {
+          "name": "get_time", "arguments": "{oops"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+      ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
   ]
   for extra, param in cases:
     err = _error(base, "POST", "/v1/chat/completions", 400, json={**ok, **extra})
