@@ -34,7 +34,7 @@ from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling import grammar as grammar_lib
 from mdlm_jax.sampling import presets, rule
-from mdlm_jax.sampling.finish import finish
+from mdlm_jax.sampling.finish import finish, tokens_for_text
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
 from mdlm_jax.sampling.samplers import ThresholdSampler
 
@@ -71,6 +71,8 @@ class Request:
   # Tokens besides EOS that end a constrained output where the grammar may
   # end (a chat template's end of turn).
   end_ids: tuple[int, ...] = ()
+  # Report each token's log-probability and this many alternatives (None: off).
+  logprobs: int | None = None
 
   def fixed_row(self) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, RoPE positions) the prefill encodes: [suffix | prompt]."""
@@ -83,12 +85,15 @@ class Request:
 @dataclasses.dataclass
 class Event:
   """kind: "draft" (text = the whole current draft), "delta" (text = newly
-  committed text) or "done" (text = the final completion)."""
+  committed text) or "done" (text = the final completion). `logprobs`: for
+  a request that asked, the tokens whose text this event completes, each
+  (id, log-probability, [(alternative id, log-probability), ...])."""
   kind: str
   text: str = ""
   finish_reason: str | None = None
   completion_tokens: int = 0
   passes: int = 0
+  logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass
@@ -96,15 +101,18 @@ class Turn:
   """The device work of one engine turn, in order: free `release` rows,
   admit `admits` [(row, request, key data)], write the host's commits for
   constrained rows `guides` [(row, tokens from the old cursor, new cursor,
-  bitmask)], then run one pass over the first `rows` slots (none when 0),
-  `guided` when a constrained row is busy. `stop` ends every process's loop."""
+  bitmask, how many of the tokens the last pass proposed)], then run one
+  pass over the first `rows` slots (none when 0), `guided` when a
+  constrained row is busy and `logprobs` when a busy request asked for them.
+  `stop` ends every process's loop."""
   stop: bool = False
   release: list[int] = dataclasses.field(default_factory=list)
   admits: list[tuple[int, Request, np.ndarray]] = dataclasses.field(default_factory=list)
-  guides: list[tuple[int, list[int], int, np.ndarray]] = dataclasses.field(default_factory=list)
+  guides: list[tuple[int, list[int], int, np.ndarray, int]] = dataclasses.field(default_factory=list)
   rows: int = 0
   with_head: bool = False
   guided: bool = False
+  logprobs: bool = False
 
 
 class Handle:
@@ -126,6 +134,7 @@ class Handle:
     self.emitted = ""
     self.blocks_seen = -1  # finished blocks at the last publish
     self.constraint: grammar_lib.Constraint | None = None
+    self.logprobs_sent = 0  # tokens whose log-probabilities went out
 
   def add_listener(self, fn: Callable[[], None]) -> None:
     """`fn()` is called (from the engine thread) whenever an event arrives."""
@@ -412,6 +421,8 @@ class Engine:
       raise ContextLengthExceeded(f"the {what} {fixed} tokens; this engine takes 1 to {self.sc.max_prompt}")
     if not 1 <= r.max_tokens <= self.sc.max_new_tokens:
       raise ValueError(f"max_tokens must be in [1, {self.sc.max_new_tokens}], got {r.max_tokens}")
+    if r.logprobs is not None and not 0 <= r.logprobs <= slots_lib.TOP_LOGPROBS:
+      raise ValueError(f"logprobs must be in [0, {slots_lib.TOP_LOGPROBS}], got {r.logprobs}")
     smp = r.sampler
     if not isinstance(smp, ThresholdSampler) or not smp.kv_cache or smp.block_size != self.sc.block_size:
       raise ValueError(f"the engine decodes with a KV-cached ThresholdSampler in blocks of {self.sc.block_size}"
@@ -441,7 +452,7 @@ class Engine:
             self.stats["steps"] += 1
             self.stats["steps_with_head" if turn.with_head else "steps_without_head"] += 1
             self.stats["steps_guided"] += int(turn.guided)
-            self._publish(self._gather(turn.guided))
+            self._publish(self._gather(turn.guided, turn.logprobs))
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
       with self._lock:
@@ -464,7 +475,7 @@ class Engine:
         if turn.stop:
           return
         if turn.rows:
-          self._gather(turn.guided)
+          self._gather(turn.guided, turn.logprobs)
 
   def _plan(self) -> Turn:
     """Process 0's host bookkeeping for the next turn: done and cancelled slots
@@ -506,6 +517,7 @@ class Engine:
     if busy:
       turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy)
       turn.guided = any(self._slots[i].constraint is not None for i in busy)
+      turn.logprobs = any(self._slots[i].request.logprobs is not None for i in busy)
     return turn
 
   def _constrain(self, row: int, h: Handle, admitted: bool):
@@ -528,6 +540,7 @@ class Engine:
       run = int(np.argmin(np.append(picked[off:], False)))  # the rule's picks leading from the cursor
       taken = c.accept(proposal[off:], run)
       self.stats["grammar_proposed"] += bs - off
+    proposed = len(taken)
     taken += c.forced(bs - off - len(taken))
     tokens = taken + [self.tok.eos_id] * (bs - off - len(taken)) if c.ended else taken
     allowed = np.zeros(self.sc.bitmask_words, np.uint32) if c.ended else c.allowed()
@@ -536,7 +549,7 @@ class Engine:
     if tokens and off + len(tokens) == bs:  # the block fills: it waits for the cache, unless the request ends
       last = cursor // bs + 1 >= -(-h.request.max_tokens // bs)
       self._head[row] = not (c.ended or last)
-    return row, tokens, cursor + len(tokens), allowed
+    return row, tokens, cursor + len(tokens), allowed, proposed
 
   def _share(self, turn: Turn | None) -> Turn:
     """Process 0's turn on every process (itself when it runs alone)."""
@@ -564,31 +577,32 @@ class Engine:
     if turn.guides:
       self._state = self._guide(self._state, *self._guide_arrays(turn.guides))
     if turn.rows:
-      self._run_pass(turn.rows, turn.with_head, turn.guided)
+      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs)
 
   def _guide_arrays(self, guides):
     """`slots.guide`'s operands for a turn's guides: tokens land at their
     offsets in the current block."""
     n, bs = self.num_slots, self.sc.block_size
     rows, tokens, take = np.zeros(n, bool), np.zeros((n, bs), np.int32), np.zeros((n, bs), bool)
-    cursor = np.zeros(n, np.int32)
+    cursor, forced = np.zeros(n, np.int32), np.zeros((n, bs), bool)
     allowed = np.zeros((n, self.sc.bitmask_words), np.uint32)
-    for row, toks, new_cursor, mask in guides:
+    for row, toks, new_cursor, mask, proposed in guides:
       off = (new_cursor - len(toks)) % bs
       rows[row], cursor[row], allowed[row] = True, new_cursor, mask
       tokens[row, off:off + len(toks)] = toks
       take[row, off:off + len(toks)] = True
-    return rows, tokens, take, cursor, allowed
+      forced[row, off + proposed:off + len(toks)] = True
+    return rows, tokens, take, cursor, allowed, forced
 
   def _programs_for(self, token_rows: int):
     """(model, admit, step) for a pass or prefill over this many token rows."""
     return self._few if token_rows <= FEW_ROWS else self._many
 
-  def _run_pass(self, rows: int, with_head: bool, guided: bool = False) -> None:
+  def _run_pass(self, rows: int, with_head: bool, guided: bool = False, logprobs: bool = False) -> None:
     """One refinement pass over slots [0, rows): each carries its block, and
     with `with_head` the finished block before it too."""
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
-    self._state = step(model.params, self._state, rows=rows, with_head=with_head, guided=guided)
+    self._state = step(model.params, self._state, rows=rows, with_head=with_head, guided=guided, logprobs=logprobs)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
@@ -596,21 +610,24 @@ class Engine:
       mask[list(rows)] = True
       self._state = self._state.replace(active=_clear_rows(self._state.active, mask))
 
-  def _gather(self, guided: bool = False):
-    """Host copies of what a publish reads, from every process's rows (and
-    after a guided pass, what it proposed for the constrained rows)."""
+  def _gather(self, guided: bool = False, logprobs: bool = False):
+    """Host copies of what a publish reads, from every process's rows (after
+    a guided pass also what it proposed for the constrained rows, after a
+    logprobs pass the log-probabilities)."""
     s = self._state
     arrays = (s.gen, s.block, s.active, s.passes, s.head)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
+    if logprobs:
+      arrays += (s.logp, s.top_ids, s.top_logp)
     if jax.process_count() == 1:
       out = jax.device_get(arrays)
     else:
       from jax.experimental import multihost_utils
       out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
     if guided:
-      self._guided_view = tuple(out[5:])
-    return out[:5]
+      self._guided_view = tuple(out[5:8])
+    return tuple(out[:5]) + ((tuple(out[-3:]),) if logprobs else (None,))
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
@@ -642,7 +659,7 @@ class Engine:
     self.stats["finished"] += 1
 
   def _publish(self, arrays) -> None:
-    gen, block, active, passes, head = arrays
+    gen, block, active, passes, head, logprobs = arrays
     self._head = head & active
     bs = self.sc.block_size
     for row, h in enumerate(self._slots):
@@ -663,13 +680,37 @@ class Engine:
       # `finish` holds back what a later block could still change (a split
       # character, the start of a stop string): the rest is sent once.
       if len(text) > len(h.emitted) and text.startswith(h.emitted):
-        h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row])))
+        covered = len(end.tokens) if done else _tokens_within(self.tok, end.tokens, len(text))
+        h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row]),
+                      logprobs=self._logprobs(h, gen[row], row, logprobs, covered)))
         h.emitted = text
       if done:
         if active[row]:
           self._release_next.append(row)
         self._release(row, Event("done", h.emitted, end.reason, completion_tokens=len(end.tokens),
-                                 passes=int(passes[row])))
+                                 passes=int(passes[row]),
+                                 logprobs=self._logprobs(h, gen[row], row, logprobs, len(end.tokens))))
+
+  def _logprobs(self, h: Handle, ids, row: int, arrays, upto: int):
+    """The entries of the request's tokens [sent so far, upto), if it asked:
+    `ids` its generation region, `arrays` the gathered log-probabilities."""
+    k = h.request.logprobs
+    if k is None or arrays is None:
+      return None
+    logp, top_ids, top_logp = arrays
+    out = []
+    for j in range(h.logprobs_sent, upto):
+      alts = [(int(i), float(v)) for i, v in zip(top_ids[row, j, :k], top_logp[row, j, :k]) if np.isfinite(v)]
+      out.append((int(ids[j]), float(logp[row, j]), alts))
+    h.logprobs_sent = max(h.logprobs_sent, upto)
+    return out
+
+
+def _tokens_within(tok, ids, n_chars: int) -> int:
+  """How many leading tokens of `ids` decode to at most `n_chars` characters
+  (a token whose text a held-back tail splits waits for the next event)."""
+  m = tokens_for_text(tok, ids, n_chars + 1)
+  return m - 1 if len(tok.decode(list(ids[:m]))) > n_chars else m
 
 
 def ride_with_head(waiting: np.ndarray, waited: bool) -> tuple[bool, bool]:
@@ -721,16 +762,16 @@ _SETTINGS = ("threshold", "temperature", "top_p")  # the sampler's floats that t
 def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
   n = sc.num_slots
-  out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides)],
-                            np.int32),
+  out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides),
+                             turn.logprobs], np.int32),
          "release": np.zeros(n, np.int32), "ints": np.zeros((n, 5), np.int32),
          "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
-         "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 3), np.int32),
+         "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
          "guide_tokens": np.zeros((n, sc.block_size), np.int32),
          "guide_allowed": np.zeros((n, sc.bitmask_words), np.uint32)}
   out["release"][turn.release] = 1
-  for i, (row, tokens, cursor, allowed) in enumerate(turn.guides):
-    out["guide_ints"][i] = (row, len(tokens), cursor)
+  for i, (row, tokens, cursor, allowed, proposed) in enumerate(turn.guides):
+    out["guide_ints"][i] = (row, len(tokens), cursor, proposed)
     out["guide_tokens"][i, :len(tokens)] = tokens
     out["guide_allowed"][i] = allowed
   for i, (row, r, key) in enumerate(turn.admits):
@@ -745,7 +786,7 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
 def _decode(a: dict[str, np.ndarray], sc) -> Turn:
   """The turn `_encode` wrote: what touches the device. Stop strings and seeds
   stay on process 0 (text matching is host work; the key is sent instead)."""
-  stop, n_admits, rows, with_head, guided, n_guides = (int(v) for v in a["head"])
+  stop, n_admits, rows, with_head, guided, n_guides, logprobs = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
     row, plen, max_tokens, min_tokens, slen = (int(v) for v in a["ints"][i])
@@ -755,7 +796,7 @@ def _decode(a: dict[str, np.ndarray], sc) -> Turn:
     admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
                                 suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
                    a["keys"][i].astype(np.uint32)))
-  guides = [(int(row), a["guide_tokens"][i, :int(k)].tolist(), int(cursor), a["guide_allowed"][i])
-            for i, (row, k, cursor) in enumerate(a["guide_ints"][:n_guides])]
+  guides = [(int(row), a["guide_tokens"][i, :int(k)].tolist(), int(cursor), a["guide_allowed"][i], int(proposed))
+            for i, (row, k, cursor, proposed) in enumerate(a["guide_ints"][:n_guides])]
   return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, guides=guides,
-              rows=rows, with_head=bool(with_head), guided=bool(guided))
+              rows=rows, with_head=bool(with_head), guided=bool(guided), logprobs=bool(logprobs))

@@ -50,6 +50,14 @@ class Slots:
   proposal: Int[Array, "s b"]  # the last guided pass's proposals for the current block
   picked: Bool[Array, "s b"]  # of which the refinement rule would commit these
   proposed: Bool[Array, "s"]  # whether that pass refined the row
+  # Log-probabilities (written by `logprobs` passes): each committed token's
+  # under the pass that committed it, and that distribution's top tokens.
+  logp: Float[Array, "s g"]
+  top_ids: Int[Array, "s g k"]
+  top_logp: Float[Array, "s g k"]
+
+
+TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +91,9 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
                decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
                key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), constrained=flags(), cursor=zeros(),
                allowed=jnp.zeros((s, grammar.bitmask_words(spec.cfg.vocab_size)), jnp.uint32),
-               proposal=jnp.zeros((s, bs), jnp.int32), picked=jnp.zeros((s, bs), bool), proposed=flags())
+               proposal=jnp.zeros((s, bs), jnp.int32), picked=jnp.zeros((s, bs), bool), proposed=flags(),
+               logp=jnp.zeros((s, g), jnp.float32), top_ids=jnp.zeros((s, g, TOP_LOGPROBS), jnp.int32),
+               top_logp=jnp.zeros((s, g, TOP_LOGPROBS), jnp.float32))
 
 
 def _row_slice(x, row, axis):
@@ -126,7 +136,8 @@ def cancel(slots: Slots, row) -> Slots:
   return slots.replace(active=slots.active.at[row].set(False))
 
 
-def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True, guided: bool = False) -> Slots:
+def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True, guided: bool = False,
+         logprobs: bool = False) -> Slots:
   """One refinement pass over every slot (idle slots ride along, committing nothing).
 
   with_head=True: each slot sends [its finished block, if any | its current
@@ -163,13 +174,19 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   columns = lo[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   keys = rule.pass_keys(s.key, s.block, s.step)
   x0, conf = rule.propose(logits, keys, columns, sc.mask_id, d.temperature, d.top_p)
+  top = _top_logprobs(logits, sc.mask_id) if logprobs else None
   if guided:
-    x0, conf = _propose_at_cursor(logits, x0, conf, s, lo, keys, sc.mask_id)
+    x0, conf, top = _propose_at_cursor(logits, x0, conf, s, lo, keys, sc.mask_id, top)
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.commit(conf, candidates, d.threshold, d.min_tokens)
   commit = picked & ~s.constrained[:, None] if guided else picked
   new_tail = jnp.where(commit, x0, tail)
   s = s.replace(cache=cache)
+  if logprobs:
+    # A constrained row's proposals are recorded too: the host commits a
+    # prefix of them, and what it leaves is proposed again and overwritten.
+    record = commit | (candidates & s.constrained[:, None]) if guided else commit
+    s = _record_logprobs(sc, s, record, jnp.log(jnp.maximum(conf, 1e-30)), *top)
   if guided:
     guided_rows = s.constrained & moving
     s = s.replace(proposal=jnp.where(guided_rows[:, None], x0, s.proposal),
@@ -177,9 +194,34 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   return _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
 
 
-def _propose_at_cursor(logits, x0, conf, s: Slots, lo, keys, mask_id: int):
+def _top_logprobs(logits, mask_id: int):
+  """(log-probs [b, t, K], ids [b, t, K]) of each position's most likely
+  tokens, [MASK] excluded."""
+  if isinstance(logits, kernels.HeadInput):
+    logits = logits.logits()
+  lsm = jax.nn.log_softmax(logits.astype(jnp.float32).at[..., mask_id].set(-jnp.inf), axis=-1)
+  vals, ids = lax.top_k(lsm, TOP_LOGPROBS)
+  return vals, ids.astype(jnp.int32)
+
+
+def _record_logprobs(sc: SlotConfig, s: Slots, where, logp, top_vals, top_ids) -> Slots:
+  """The current block's `where` positions take these log-probabilities."""
+  bs = sc.block_size
+  lo = jnp.minimum(s.block * bs, sc.max_new_tokens - bs)
+
+  def put(dst, new):
+    old = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, bs))(dst, lo)
+    mask = where.reshape(where.shape + (1,) * (new.ndim - 2))
+    blk = jnp.where(mask, new.astype(dst.dtype), old)
+    return jax.vmap(lambda row, b, start: lax.dynamic_update_slice_in_dim(row, b, start, 0))(dst, blk, lo)
+
+  return s.replace(logp=put(s.logp, logp), top_ids=put(s.top_ids, top_ids), top_logp=put(s.top_logp, top_vals))
+
+
+def _propose_at_cursor(logits, x0, conf, s: Slots, lo, keys, mask_id: int, top=None):
   """x0 and confidence with each constrained row's cursor column redrawn from
-  its logits under its grammar bitmask (same noise: the column's own)."""
+  its logits under its grammar bitmask (same noise: the column's own), and
+  with `top` (top log-probs and ids) the cursor's under the bitmask too."""
   bs = x0.shape[1]
   off = jnp.clip(s.cursor - lo, 0, bs - 1)
   if isinstance(logits, kernels.HeadInput):
@@ -188,10 +230,13 @@ def _propose_at_cursor(logits, x0, conf, s: Slots, lo, keys, mask_id: int):
   else:
     at = jnp.take_along_axis(logits, off[:, None, None], axis=1)
   d = s.decoding
-  xc, cc = rule.propose(rule.allow(at.astype(jnp.float32), s.allowed[:, None]), keys, (lo + off)[:, None], mask_id,
-                        d.temperature, d.top_p)
+  allowed = rule.allow(at.astype(jnp.float32), s.allowed[:, None])
+  xc, cc = rule.propose(allowed, keys, (lo + off)[:, None], mask_id, d.temperature, d.top_p)
   here = s.constrained[:, None] & (jnp.arange(bs)[None] == off[:, None])
-  return jnp.where(here, xc, x0), jnp.where(here, cc, conf)
+  if top is not None:
+    vals, ids = _top_logprobs(allowed, mask_id)
+    top = tuple(jnp.where(here[..., None], new, old) for new, old in zip((vals, ids), top))
+  return jnp.where(here, xc, x0), jnp.where(here, cc, conf), top
 
 
 def _write_block(sc: SlotConfig, s: Slots, moving, new_tail) -> Slots:
@@ -210,14 +255,19 @@ def _write_block(sc: SlotConfig, s: Slots, moving, new_tail) -> Slots:
 
 
 def guide(sc: SlotConfig, s: Slots, rows: Bool[Array, "s"], tokens: Int[Array, "s b"], take: Bool[Array, "s b"],
-          cursor: Int[Array, "s"], allowed) -> Slots:
+          cursor: Int[Array, "s"], allowed, forced: Bool[Array, "s b"]) -> Slots:
   """The host's commits for constrained `rows` (which become constrained):
   `tokens` where `take` in the current block (a prefix from the cursor the
   grammar accepted), then the new `cursor` and its bitmask `allowed`
   [s, words]. A row whose block fills moves on as after a pass; `take` all
-  False only sets the bitmask."""
+  False only sets the bitmask. `forced` positions hold tokens the grammar
+  forced (no pass proposed them): certain, log-probability 0."""
   bs = sc.block_size
   lo = jnp.minimum(s.block * bs, sc.max_new_tokens - bs)
+  k = jnp.arange(TOP_LOGPROBS)
+  s = _record_logprobs(sc, s, forced & rows[:, None], jnp.zeros(forced.shape, jnp.float32),
+                       jnp.where(k == 0, 0.0, -jnp.inf) + jnp.zeros(forced.shape + (1,)),
+                       jnp.where(k == 0, tokens[..., None], 0))
   tail = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, bs))(s.gen, lo)
   writes = rows & s.active & jnp.any(take, axis=-1)
   out = _write_block(sc, s, writes, jnp.where(take, tokens, tail))
@@ -242,13 +292,13 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
 
 
 def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True,
-               guided: bool = False) -> Slots:
+               guided: bool = False, logprobs: bool = False) -> Slots:
   """`step` over slots [0, rows) only: requests take the lowest free slots, so
   a lightly loaded engine runs passes as small as its load."""
   if rows == sc.num_slots:
-    return step(spec, sc, params, s, with_head, guided)
+    return step(spec, sc, params, s, with_head, guided, logprobs)
   head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head,
-              guided)
+              guided, logprobs)
   out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
   # A pass without head commits nothing to the cache. Writing its unchanged
   # rows back would make XLA copy the whole cache (twice) to order the read
@@ -274,12 +324,12 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
   """(admit, step_first) jitted, with the slot state donated so it is updated
-  in place; step_first(params, state, rows=k, with_head=h, guided=g) compiles
-  once per (k, h, g)."""
+  in place; step_first(params, state, rows=k, with_head=h, guided=g,
+  logprobs=l) compiles once per (k, h, g, l)."""
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,)),
-          jax.jit(lambda params, state, rows, with_head=True, guided=False:
-                  step_first(spec, sc, rows, params, state, with_head, guided),
-                  donate_argnums=(1,), static_argnames=("rows", "with_head", "guided")))
+          jax.jit(lambda params, state, rows, with_head=True, guided=False, logprobs=False:
+                  step_first(spec, sc, rows, params, state, with_head, guided, logprobs),
+                  donate_argnums=(1,), static_argnames=("rows", "with_head", "guided", "logprobs")))
 
 
 compile_guide = functools.lru_cache(maxsize=None)(

@@ -95,7 +95,7 @@ class Grammar:
     if not options or not all(isinstance(o, str) and o for o in options):
       raise GrammarError("choices must be a non-empty list of non-empty strings", field)
     return cls(_llg().LLMatcher.grammar_from_lark(
-        "start: " + " | ".join(json.dumps(o) for o in options)), field)
+        "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)), field)
 
 
 # One llguidance tokenizer per (tokenizer, model vocabulary): building one

@@ -22,12 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, QueueFull
 from mdlm_jax.engine.engine import Request as EngineRequest
 from mdlm_jax.server import chat_template
+from mdlm_jax.server import apply_edit
 from mdlm_jax.server import tools as tools_lib
 from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
-from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_guidance, parse_messages,
-                                      parse_model, parse_echo, parse_prompt, parse_prompts, parse_sampling,
-                                      parse_suffix, require_object)
+from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_guidance, parse_logprobs,
+                                      parse_messages, parse_model, parse_echo, parse_prompt, parse_prompts,
+                                      parse_sampling, parse_suffix, require_object)
 
 log = logging.getLogger("mdlm_jax.server")
 
@@ -36,6 +37,9 @@ class ServerState:
   def __init__(self, engine: Engine, model_id: str, api_key: str | None, limits: Limits):
     self.engine, self.model_id, self.api_key, self.limits = engine, model_id, api_key, limits
     self.tok = engine.tok
+    # Each token's bytes, for logprobs (a Hugging Face tokenizer: its decoded text).
+    self.token_bytes = (engine.tok.token_bytes() if hasattr(engine.tok, "token_bytes") else
+                        [engine.tok.decode([i]).encode() for i in range(engine.tok.vocab_size)])
     self.metrics = Metrics()
     self.created = int(time.time())
     self.shutting_down = False
@@ -103,9 +107,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 
   @app.post("/v1/chat/completions")
   async def chat(request: Request):
-    body = await _read_body(state, request)
-    parse_model(body, state.model_id)
-    check_fields(body, "chat")
+    body = await _endpoint_body(state, request, "chat")
     messages = parse_messages(body)
     s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
     guide = parse_guidance(body)
@@ -115,6 +117,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     except tools_lib.ToolError as e:
       raise APIError(400, str(e), param=e.param, code="invalid_value") from e
     calling = tools is not None and tools.choice != "none"
+    s.logprobs = _logprobs_for(body, "chat", s, calls=calling)
     if calling and guide is not None:
       field = next(f for f in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
                    if body.get(f) is not None)
@@ -134,15 +137,14 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    body = await _read_body(state, request)
-    parse_model(body, state.model_id)
-    check_fields(body, "completions")
+    body = await _endpoint_body(state, request, "completions")
     s = parse_sampling(body, state.limits, default_max_tokens=16)
     guide = parse_guidance(body)
     suffix = parse_suffix(body) or ""
     echo = parse_echo(body)
     if echo and suffix:
       raise APIError(400, "echo: cannot be combined with suffix", param="echo", code="invalid_value")
+    s.logprobs = _logprobs_for(body, "completions", s, echo=echo)
     prompts = []
     for i, p in enumerate(parse_prompts(body, state.tok.vocab_size, state.limits, s.n)):
       ids = state.engine.encode(p) if isinstance(p, str) else list(p)
@@ -154,12 +156,46 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 
   @app.post("/v1/fim/completions")
   async def fim(request: Request):
-    body = await _read_body(state, request)
-    parse_model(body, state.model_id)
-    check_fields(body, "fim")
+    body = await _endpoint_body(state, request, "fim")
     s = parse_sampling(body, state.limits, default_max_tokens=64)
     prompt, suffix = parse_prompt(body), parse_suffix(body) or ""
     return await _generate(state, request, "fim", [Prompt(state.engine.encode(prompt))], s, suffix=suffix)
+
+  @app.post("/v1/apply/completions")
+  async def apply(request: Request):
+    """Mercury Edit's apply endpoint: the merged file as the answer."""
+    body = await _endpoint_body(state, request, "apply")
+    messages = parse_messages(body)
+    if len(messages) != 1 or messages[0]["role"] != "user":
+      raise APIError(400, "messages: one user message holding the original code and the update snippet",
+                     param="messages", code="invalid_value")
+    if body.get("stream"):
+      raise APIError(400, "stream: the merged file comes back whole", param="stream", code="unsupported_parameter")
+    s = parse_sampling({k: v for k, v in body.items() if k != "stream"}, state.limits, default_max_tokens=1)
+    try:
+      original, snippet = apply_edit.parse(messages[0]["content"])
+    except apply_edit.EditError as e:
+      raise APIError(400, f"messages[0].content: {e}", param="messages[0].content", code="invalid_value") from e
+    t0 = time.perf_counter()
+    decided = []
+
+    def decide(before: str, candidates: list[str], after: str) -> int:
+      k = _place(state, s, before, candidates, after)
+      decided.append(k)
+      return k
+
+    merged = await asyncio.to_thread(apply_edit.merge, original, snippet, decide)
+    prompt_tokens = len(state.tok.encode(messages[0]["content"]))
+    completion = len(state.tok.encode(merged))
+    state.metrics.tokens(prompt_tokens, completion)
+    state.metrics.latency(time.perf_counter() - t0)
+    state.metrics.request("apply", 200)
+    return JSONResponse({"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion",
+                         "created": int(time.time()), "model": state.model_id,
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": merged},
+                                      "logprobs": None, "finish_reason": "stop"}],
+                         "usage": _usage(prompt_tokens, completion),
+                         "model_decisions": len(decided)})
 
   return app
 
@@ -167,9 +203,34 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 # -- helpers ----------------------------------------------------------------------
 
 
+def _place(state: ServerState, s: Sampling, before: str, candidates: list[str], after: str) -> int:
+  """Which placement of an edit the model writes between `before` and
+  `after`: one engine request, infilling under a grammar whose alternatives
+  are exactly the candidates (the context cut to what the engine takes)."""
+  engine = state.engine
+  need = max(len(state.tok.encode(c)) for c in candidates) + 2
+  if need > engine.sc.max_new_tokens:
+    raise APIError(400, f"messages[0].content: placing an edit among {len(candidates) - 1} lines needs {need} tokens;"
+                   f" this server decodes at most {engine.sc.max_new_tokens}", param="messages[0].content",
+                   code="context_length_exceeded")
+  room = engine.sc.max_prompt - 8
+  suffix = engine.encode(after, add_bos=False)[:room // 4]
+  prefix = engine.encode(before, add_bos=False)[-(room - len(suffix)):]
+  sampler = engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
+  seed = s.seed if s.seed is not None else secrets.randbits(31)
+  req = engine.prepare(EngineRequest([engine.tok.bos_id] + prefix, need, sampler, seed=seed, suffix_ids=suffix,
+                                     grammar=Grammar.choice(candidates, "messages[0].content")))
+  done = _submit_all(state, [req], want_drafts=False)[0].result(timeout=600)
+  if (err := _engine_failure(done)) is not None:
+    raise err
+  if done.text not in candidates:
+    raise APIError(500, f"the model's placement {done.text!r} is none of the candidates", code="engine_error")
+  return candidates.index(done.text)
+
+
 def _endpoint(request: Request) -> str:
   path = request.url.path
-  for name, prefix in (("chat", "/v1/chat/completions"), ("fim", "/v1/fim/completions"),
+  for name, prefix in (("chat", "/v1/chat/completions"), ("fim", "/v1/fim/completions"), ("apply", "/v1/apply"),
                        ("completions", "/v1/completions"), ("models", "/v1/models")):
     if path.startswith(prefix):
       return name
@@ -230,8 +291,52 @@ def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suf
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
   return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,
-                                            suffix_ids=suffix_ids, grammar=grammar, end_ids=end_ids))
+                                            suffix_ids=suffix_ids, grammar=grammar, end_ids=end_ids,
+                                            logprobs=s.logprobs))
           for p in prompts for i in range(s.n)]
+
+
+def _logprobs_for(body: dict, endpoint: str, s: Sampling, *, calls: bool = False, echo: bool = False) -> int | None:
+  """The request's logprobs setting, refused where this server cannot give
+  them: for the prompt (echo), for tool calls, or for whole drafts."""
+  k = parse_logprobs(body, endpoint)
+  if k is None:
+    return None
+  why = ("the prompt's are not computed (echo)" if echo else "tool calls do not report them" if calls else
+         "a diffusing stream sends whole drafts, not tokens" if s.diffusing else None)
+  if why:
+    raise APIError(400, f"logprobs: not available here: {why}", param="logprobs", code="unsupported_parameter")
+  return k
+
+
+def _logprobs_body(state: ServerState, kind: str, entries, offset: int = 0) -> dict | None:
+  """OpenAI's logprobs object for these engine entries (chat: `content`;
+  completions: the legacy token lists, `offset` the text before them)."""
+  if entries is None:
+    return None
+
+  def text(i):
+    return state.token_bytes[i].decode("utf-8", "replace") if state.token_bytes[i] is not None else ""
+
+  if kind == "chat":
+    def one(i, lp):
+      return {"token": text(i), "logprob": lp, "bytes": list(state.token_bytes[i] or b"")}
+    return {"content": [{**one(i, lp), "top_logprobs": [one(a, v) for a, v in alts]} for i, lp, alts in entries],
+            "refusal": None}
+  offsets, at = [], offset
+  for i, _, _ in entries:
+    offsets.append(at)
+    at += len(text(i))
+  return {"tokens": [text(i) for i, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+          "top_logprobs": [{text(a): v for a, v in alts} for _, _, alts in entries], "text_offset": offsets}
+
+
+async def _endpoint_body(state: ServerState, request: Request, endpoint: str) -> dict:
+  """The request's JSON body, for this server's model, every field one the endpoint takes."""
+  body = await _read_body(state, request)
+  parse_model(body, state.model_id)
+  check_fields(body, endpoint)
+  return body
 
 
 def _single_tokens(state: ServerState, texts) -> tuple[int, ...]:
@@ -358,8 +463,11 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
 
   if not s.stream:
     finals = {}
+    entries = [[] if s.logprobs is not None else None for _ in reqs]
     try:
       async for i, ev in _events(handles, request):
+        if ev.logprobs is not None and entries[i] is not None:
+          entries[i] += ev.logprobs
         if ev.kind == "done":
           finals[i] = ev
     finally:
@@ -381,16 +489,18 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
         choices.append({"index": i, "message": message, "logprobs": None,
                         "finish_reason": "tool_calls" if made and ev.finish_reason == "stop" else ev.finish_reason})
       elif kind == "chat":
-        choices.append({"index": i, "message": {"role": "assistant", "content": ev.text}, "logprobs": None,
-                        "finish_reason": ev.finish_reason})
+        choices.append({"index": i, "message": {"role": "assistant", "content": ev.text},
+                        "logprobs": _logprobs_body(state, kind, entries[i]), "finish_reason": ev.finish_reason})
       else:
-        choices.append({"index": i, "text": echo[i] + ev.text, "logprobs": None, "finish_reason": ev.finish_reason})
+        choices.append({"index": i, "text": echo[i] + ev.text, "logprobs": _logprobs_body(state, kind, entries[i]),
+                        "finish_reason": ev.finish_reason})
     return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                          "created": created, "model": state.model_id, "choices": choices,
                          "usage": _usage(prompt_tokens, completion)})
 
   call_streams = [tools_lib.CallStream() for _ in reqs] if calls else None
   answers = [""] * len(reqs)
+  streamed = [0] * len(reqs)  # characters sent per choice (completions' text_offset)
 
   def call_chunks(i: int, final: bool):
     for delta in call_streams[i].feed(answers[i], final=final):
@@ -412,7 +522,11 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
           for chunk in call_chunks(i, final=False):
             yield chunk
         elif ev.kind == "delta" and not s.diffusing:
-          yield _sse(_chunk(kind, rid, state, created, i, ev.text, None))
+          chunk = _chunk(kind, rid, state, created, i, ev.text, None)
+          if s.logprobs is not None:
+            chunk["choices"][0]["logprobs"] = _logprobs_body(state, kind, ev.logprobs or [], streamed[i])
+          streamed[i] += len(ev.text)
+          yield _sse(chunk)
         elif ev.kind == "done":
           if (err := _engine_failure(ev)) is not None:
             # Ended by the engine, not by the model: say so, as OpenAI's
@@ -433,7 +547,10 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
               yield chunk
             if call_streams[i].calls and finish == "stop":
               finish = "tool_calls"
-          yield _sse(_chunk(kind, rid, state, created, i, None if kind == "chat" else "", finish))
+          last = _chunk(kind, rid, state, created, i, None if kind == "chat" else "", finish)
+          if s.logprobs is not None and ev.logprobs:  # tokens whose text no delta carried (cut by a stop)
+            last["choices"][0]["logprobs"] = _logprobs_body(state, kind, ev.logprobs, streamed[i])
+          yield _sse(last)
       if s.include_usage:
         yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                     "created": created, "model": state.model_id, "choices": [],

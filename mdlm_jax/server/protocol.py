@@ -55,6 +55,7 @@ class Sampling:
   effort: str
   diffusing: bool
   user: str | None = None
+  logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -242,6 +243,24 @@ def parse_echo(body: dict) -> bool:
   return bool(_get(body, "echo", bool, False))
 
 
+def parse_logprobs(body: dict, endpoint: str) -> int | None:
+  """How many alternatives to report with each token's log-probability, or
+  None for none: chat's `logprobs` (bool) and `top_logprobs` (0 to 20),
+  completions' `logprobs` (0 to 5)."""
+  if endpoint == "chat":
+    on = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int, None)
+    if top is not None and not 0 <= top <= 20:
+      raise _bad("top_logprobs", f"must be in [0, 20], got {top}")
+    if top and not on:
+      raise _bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if on else None
+  k = _get(body, "logprobs", int, None)
+  if k is not None and not 0 <= k <= 5:
+    raise _bad("logprobs", f"must be in [0, 5], got {k}")
+  return k
+
+
 def parse_model(body: dict, model_id: str) -> str:
   model = _get(body, "model", str, None)
   if model is None:
@@ -266,18 +285,20 @@ GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_gra
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
              "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",
-             "parallel_tool_calls", *GUIDANCE_FIELDS},
+             "parallel_tool_calls", "logprobs", "top_logprobs", *GUIDANCE_FIELDS},
     "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", *GUIDANCE_FIELDS},
+                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs", *GUIDANCE_FIELDS},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
             "stream_options", "reasoning_effort", "diffusing", "user"},
+    "apply": {"model", "messages", "temperature", "top_p", "seed", "reasoning_effort", "user", "stream"},
 }
 # OpenAI fields not implemented yet: checked, and accepted only at the value
 # that asks for nothing (which is then exactly what the server does).
 NEUTRAL_ONLY = {
-    "chat": ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"),
-    "completions": ("logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "best_of"),
+    "chat": ("presence_penalty", "frequency_penalty", "logit_bias"),
+    "completions": ("presence_penalty", "frequency_penalty", "logit_bias", "best_of"),
     "fim": (),
+    "apply": (),
 }
 
 
@@ -313,26 +334,6 @@ def _logit_bias(body: dict, name: str) -> None:
       raise _bad(name, "must map token ids to numbers in [-100, 100]")
   if v:
     raise _unsupported(name, "logit_bias is not implemented (only {})")
-
-
-def _chat_logprobs(body: dict, name: str) -> None:
-  if _get(body, name, bool):
-    raise _unsupported(name, "logprobs are not implemented (only false)")
-
-
-def _top_logprobs(body: dict, name: str) -> None:
-  v = _get(body, name, int)
-  if not 0 <= v <= 20:
-    raise _bad(name, f"must be in [0, 20], got {v}")
-  if v:
-    raise _unsupported(name, "logprobs are not implemented (only 0)")
-
-
-def _completion_logprobs(body: dict, name: str) -> None:
-  v = _get(body, name, int)
-  if not 0 <= v <= 5:
-    raise _bad(name, f"must be in [0, 5], got {v}")
-  raise _unsupported(name, "logprobs are not implemented (only null)")
 
 
 def _best_of(body: dict, name: str) -> None:
@@ -415,6 +416,5 @@ def _response_format(body: dict) -> Grammar:
 
 _CHECKS = {
     "presence_penalty": _number_zero, "frequency_penalty": _number_zero, "logit_bias": _logit_bias,
-    ("chat", "logprobs"): _chat_logprobs, "top_logprobs": _top_logprobs, ("completions", "logprobs"):
-    _completion_logprobs, "best_of": _best_of,
+    "best_of": _best_of,
 }

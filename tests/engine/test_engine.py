@@ -393,3 +393,36 @@ def test_a_constrained_output_cut_by_max_tokens_is_a_prefix_with_length(loaded, 
                           grammar=Grammar.regex("(yes|no)[0-9]"))
   done = guided_engine.submit(r).result(timeout=120)
   assert done.finish_reason == "stop" and re.fullmatch("(yes|no)[0-9]", done.text)
+
+
+def test_top_logprobs_match_a_float64_log_softmax():
+  from mdlm_jax.engine.slots import TOP_LOGPROBS, _top_logprobs
+  rng = np.random.default_rng()
+  logits = rng.normal(size=(3, 5, 97)) * 3
+  mask_id = int(rng.integers(97))
+  vals, ids = (np.asarray(x) for x in _top_logprobs(jax.numpy.asarray(logits, jax.numpy.float32), mask_id))
+  z = np.delete(logits, mask_id, axis=-1)
+  lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+  ref = logits - lse[..., None]
+  ref[..., mask_id] = -np.inf
+  want_ids = np.argsort(-ref, axis=-1, kind="stable")[..., :TOP_LOGPROBS]
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(vals, np.take_along_axis(ref, want_ids, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_of_forced_and_proposed_tokens(loaded, guided_engine):
+  """Under a grammar, tokens it forces are certain (log-probability 0) and the
+  drawn ones are the top of the distribution under the bitmask (greedy)."""
+  from mdlm_jax.sampling.grammar import Grammar
+  r = dataclasses.replace(_request(loaded, "x = ", max_tokens=12), grammar=Grammar.regex("(yes|no)[0-9]"), logprobs=2)
+  events = list(guided_engine.submit(r).events(timeout=120))
+  entries = [e for ev in events for e in ev.logprobs or []]
+  assert len(entries) == events[-1].completion_tokens
+  tok = loaded.tokenizer
+  assert tok.decode([i for i, _, _ in entries]) == events[-1].text
+  for i, lp, alts in entries:
+    assert alts[0][0] == i and abs(alts[0][1] - lp) < 1e-5 and lp <= 0
+  text = events[-1].text
+  forced = {"yes": "es", "no": "o"}[text[:-1]]  # after the first letter the word is forced
+  forced_ids = tok.encode(forced)
+  assert any(lp == 0.0 and alts == [(i, 0.0)] for i, lp, alts in entries if i in forced_ids)

@@ -203,8 +203,7 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "
            "user": "alice"}
 REFUSED = [  # (field, value, code): well formed but not implemented, or malformed
     ("presence_penalty", 0.5, "unsupported_parameter"), ("frequency_penalty", 3, "invalid_value"),
-    ("logprobs", True, "unsupported_parameter"), ("top_logprobs", 3, "unsupported_parameter"),
-    ("top_logprobs", 99, "invalid_value"), ("logit_bias", {"5": 10}, "unsupported_parameter"),
+    ("logprobs", "yes", "invalid_value"), ("top_logprobs", 99, "invalid_value"), ("logit_bias", {"5": 10}, "unsupported_parameter"),
     ("logit_bias", [1], "invalid_value"), ("tools", "f", "invalid_value"),
     ("tool_choice", "sometimes", "invalid_value"),
     ("response_format", {"type": "xml"}, "invalid_value"), ("user", 7, "invalid_value"),
@@ -226,7 +225,7 @@ def test_every_field_is_implemented_or_refused_by_name(server):
                json={**ok, "messages": [{"role": "user", "content": "hi", "audio": {"id": "x"}}]})
   assert err["param"] == "messages[0].audio"
   done = {"model": "tiny", "prompt": "x", "max_tokens": 4}
-  for field, value in (("logprobs", 2), ("best_of", 3), ("suffix", 5), ("echo", "yes"), ("prompt", [[1], "a", 3]),
+  for field, value in (("logprobs", 7), ("best_of", 3), ("suffix", 5), ("echo", "yes"), ("prompt", [[1], "a", 3]),
                        ("messages", [])):
     assert _error(base, "POST", "/v1/completions", 400, json={**done, field: value})["param"].startswith(field)
   assert _error(base, "POST", "/v1/completions", 400, json={**done, "echo": True, "suffix": "y"})["param"] == "echo"
@@ -377,12 +376,14 @@ def test_turns_survive_the_broadcast_encoding():
              rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32))
             for row, n, s in ((2, 16, 0), (0, 1, 5))]
   guides = [(1, rng.integers(0, 100, size=3).tolist(), 11, rng.integers(0, 2 ** 32, size=4, dtype=np.uint64)
-             .astype(np.uint32)), (3, [], 0, np.zeros(4, np.uint32))]
-  turn = Turn(release=[1, 3], admits=admits, guides=guides, rows=4, with_head=True, guided=True)
+             .astype(np.uint32), 2), (3, [], 0, np.zeros(4, np.uint32), 0)]
+  turn = Turn(release=[1, 3], admits=admits, guides=guides, rows=4, with_head=True, guided=True, logprobs=True)
   back = _decode(_encode(turn, sc), sc)
-  assert (back.stop, back.release, back.rows, back.with_head, back.guided) == (False, [1, 3], 4, True, True)
-  for (row, tokens, cursor, allowed), (row2, tokens2, cursor2, allowed2) in zip(guides, back.guides, strict=True):
-    assert (row2, tokens2, cursor2) == (row, tokens, cursor)
+  assert (back.stop, back.release, back.rows, back.with_head, back.guided, back.logprobs) == \
+      (False, [1, 3], 4, True, True, True)
+  for (row, tokens, cursor, allowed, n), (row2, tokens2, cursor2, allowed2, n2) in zip(guides, back.guides,
+                                                                                     strict=True):
+    assert (row2, tokens2, cursor2, n2) == (row, tokens, cursor, n)
     np.testing.assert_array_equal(allowed2, allowed)
   for (row, r, key), (row2, r2, key2) in zip(turn.admits, back.admits, strict=True):
     assert row2 == row and list(r2.prompt_ids) == list(r.prompt_ids) and r2.max_tokens == r.max_tokens
@@ -462,13 +463,6 @@ def test_requests_ended_by_the_server_say_so(tiny_checkpoints):
   assert events[0]["choices"][0]["delta"]["role"] == "assistant"
   assert events[-1]["error"]["code"] == "cancelled"
   assert not any(c["finish_reason"] for e in events for c in e.get("choices", []))
-
-
-def test_sigterm_drains_and_exits_zero(server):
-  """Runs last in this module: it stops the shared server."""
-  proc, base = server
-  proc.send_signal(signal.SIGTERM)
-  assert proc.wait(timeout=60) == 0
 
 
 def test_chat_renders_the_checkpoints_template(tiny_checkpoints, tmp_path):
@@ -667,3 +661,51 @@ def test_bad_tool_requests_are_400s_naming_the_field(server):
   for extra, param in cases:
     err = _error(base, "POST", "/v1/chat/completions", 400, json={**ok, **extra})
     assert err["param"] == param, (extra, err)
+
+
+def test_logprobs_on_chat_and_completions(client):
+  """Each returned token comes with its log-probability and the top
+  alternatives of the pass that committed it: greedy tokens are the top
+  alternative, the tokens spell the text, streamed or not."""
+  import math
+  r = _chat(client, logprobs=True, top_logprobs=3, max_tokens=24, seed=1)
+  c = r.choices[0]
+  content = c.logprobs.content
+  assert b"".join(bytes(t.bytes) for t in content).decode() == c.message.content
+  assert len(content) == r.usage.completion_tokens
+  for t in content:
+    assert t.logprob <= 0 and 1 <= len(t.top_logprobs) <= 3
+    assert t.top_logprobs[0].token == t.token and math.isclose(t.top_logprobs[0].logprob, t.logprob, abs_tol=1e-5)
+    assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+  streamed = [t for ch in _chat(client, logprobs=True, top_logprobs=3, max_tokens=24, seed=1, stream=True)
+              if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+  assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(t.token, round(t.logprob, 5)) for t in content]
+  sampled = _chat(client, logprobs=True, max_tokens=24, temperature=1.0, seed=3).choices[0].logprobs.content
+  assert all(t.logprob <= 0 and t.top_logprobs == [] for t in sampled)
+  comp = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=16, logprobs=2, seed=0)
+  lp = comp.choices[0].logprobs
+  assert len(lp.tokens) == len(lp.token_logprobs) == comp.usage.completion_tokens
+  assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+  assert all(len(d) <= 2 for d in lp.top_logprobs)
+
+
+def test_logprobs_requests_it_cannot_serve_are_refused(server):
+  base = server[1]
+  chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+  done = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+  for path, body, param in [
+      ("/v1/chat/completions", {**chat, "top_logprobs": 3}, "top_logprobs"),
+      ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+      ("/v1/chat/completions", {**chat, "logprobs": True, "stream": True, "diffusing": True}, "logprobs"),
+      ("/v1/completions", {**done, "logprobs": 6}, "logprobs"),
+      ("/v1/completions", {**done, "logprobs": 1, "echo": True}, "logprobs"),
+  ]:
+    assert _error(base, "POST", path, 400, json=body)["param"] == param
+
+
+# Last: it stops the module's server.
+def test_sigterm_drains_and_exits_zero(server):
+  """Runs last in this module: it stops the shared server."""
+  proc, base = server
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=60) == 0
