@@ -96,7 +96,7 @@ def main(argv):
   bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
-                  max_queue=4 * max(a.concurrency) * a.requests_per_client,
+                  max_queue=max(4 * max(a.concurrency) * a.requests_per_client, 2 * a.fim_requests),
                   weight_layout=a.weight_layout).warmup()
   result_compute = pass_compute(engine, a.slots)
   engine.start()
