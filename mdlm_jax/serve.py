@@ -38,9 +38,10 @@ def parse(argv):
                  help="serve from the weights in this layout only (default on CPU: out_in for passes over a few"
                       " slots, in_out for larger ones and prefills, each the faster there; as loaded elsewhere)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
-  p.add_argument("--grammar-policy", choices=ACCEPT_POLICIES, default="confident",
-                 help="structured outputs: commit the grammatical prefix the effort's rule picks (confident), or"
-                      " every grammatical proposal (valid: more tokens a pass, lower likelihood)")
+  p.add_argument("--grammar-policy", choices=ACCEPT_POLICIES, default=ACCEPT_POLICIES[0],
+                 help="structured outputs: of the grammatical prefix of a pass's proposals, commit up to the effort"
+                      " rule's last pick (bridge), only its picks leading from the cursor (confident), or all of it"
+                      " (valid: more tokens a pass, lower likelihood)")
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)

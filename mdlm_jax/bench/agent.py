@@ -6,8 +6,9 @@ Each task is a prompt and a schema from OpenAI's strict subset (objects with
 required keys and additionalProperties false, enums, const, anyOf, $defs and
 $ref, arrays, numbers, strings, booleans, null). For each mode, free
 ("unconstrained") and under the schema with each accept policy of
-`sampling.grammar` ("confident": the rule's own picks within the grammatical
-prefix; "valid": every grammatical proposal), a one-slot engine in this
+`sampling.grammar` ("confident": the rule's picks leading from the cursor;
+"bridge": the grammatical prefix up to the rule's last pick in it; "valid":
+every grammatical proposal), a one-slot engine in this
 process decodes the tasks x --seeds one after another (after a warm-up run
 that compiles its programs), so every pass of every mode covers one request
 and seconds per pass compare. Reported per mode: tokens committed per pass,
@@ -16,8 +17,10 @@ included), the grammar's host seconds per pass, validity (the `jsonschema`
 package is the referee; a constrained output cut by max_tokens is counted
 apart, as `finish_reason: "length"`) and the outputs' NLL per token under
 the model's own objective (what committing more per pass costs in quality).
-Constrained against unconstrained: the share of tokens/s kept (measured, and
-the tokens-per-pass ratio, exact under greedy decoding), and the time
+Constrained against unconstrained: the share of tokens/s kept (against free
+decoding at --max-tokens, and against free decoding cut at each constrained
+answer's length, so both spread the same prefills over the same tokens), the
+tokens-per-pass ratio (exact under greedy decoding), and the time
 a constraint adds to a pass: the guided pass against the plain one (each the
 fastest of --pass-repeats, over one slot, with and without a finished block)
 plus the grammar's host time and the guide program, measured in the run.
@@ -56,7 +59,7 @@ TASKS = [
                                        "error": {"type": "null"}},
       "required": ["ok", "code", "error"], "additionalProperties": False}),
 ]
-MODES = ("unconstrained", "confident", "valid")
+MODES = ("unconstrained", "confident", "bridge", "valid")
 
 
 def parse(argv):
@@ -83,21 +86,24 @@ def _valid(text: str, schema: dict) -> bool:
   return True
 
 
-def run_mode(loaded, mode: str, a, scorer) -> dict:
+def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> dict:
   """One one-slot engine, the tasks x seeds in turn (after a warm-up run);
-  the mode's totals and per-pass figures."""
+  the mode's totals and per-pass figures. `lengths`: each request's
+  max_tokens (default --max-tokens)."""
   from mdlm_jax.engine.engine import Engine, Request
   from mdlm_jax.sampling import presets
+  from mdlm_jax.sampling import grammar
   from mdlm_jax.sampling.grammar import Grammar
   bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   n = len(TASKS) * a.seeds
   engine = Engine(loaded, num_slots=1, max_prompt=64, max_new_tokens=-(-a.max_tokens // bs) * bs,
-                  grammar_policy="confident" if mode == "unconstrained" else mode)
+                  grammar_policy=grammar.ACCEPT_POLICIES[0] if mode == "unconstrained" else mode)
   engine.start()
   sampler = engine.sampler_for(a.effort, temperature=a.temperature)
 
   def requests():
-    return [Request(engine.encode(prompt), a.max_tokens, sampler, seed=seed,
+    caps = iter(lengths or [a.max_tokens] * n)
+    return [Request(engine.encode(prompt), max(1, next(caps)), sampler, seed=seed,
                     grammar=None if mode == "unconstrained" else Grammar.json_schema(schema))
             for _, prompt, schema in TASKS for seed in range(a.seeds)]
 
@@ -127,6 +133,7 @@ def run_mode(loaded, mode: str, a, scorer) -> dict:
       "valid_of_stopped": sum(_valid(d.text, s) for d, s in zip(done, schemas) if d.finish_reason == "stop"),
       "nll_per_token": float(nll.sum() / max(scored.sum(), 1)),
       "examples": [d.text for d in done[::a.seeds]][:3],
+      "lengths": [d.completion_tokens for d in done],
   }
 
 
@@ -165,6 +172,11 @@ def main(argv):
   for mode in MODES[1:]:
     m = result["modes"][mode]
     m["tokens_per_s_vs_unconstrained"] = m["tokens_per_s"] / free["tokens_per_s"]
+    # Free decoding cut at each constrained answer's length: the same prefills
+    # spread over the same tokens.
+    same = run_mode(loaded, "unconstrained", a, scorer, lengths=m["lengths"])
+    m["unconstrained_same_length_tokens_per_s"] = same["tokens_per_s"]
+    m["tokens_per_s_vs_unconstrained_same_length"] = m["tokens_per_s"] / same["tokens_per_s"]
     # Greedy decoding makes tokens per pass exact; wall time on a shared CPU is not.
     m["tokens_per_pass_vs_unconstrained"] = m["tokens_per_request_pass"] / free["tokens_per_request_pass"]
     # What a constraint adds to a pass: a guided pass for a plain one, and the host's grammar work.
@@ -186,7 +198,7 @@ def plot(result: dict, path: str) -> None:
   fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
   for ax, key, label in zip(axes, ("tokens_per_request_pass", "tokens_per_s", "seconds_per_pass"),
                             ("tokens committed per pass", "tokens/s (all requests)", "seconds per pass")):
-    ax.bar(modes, [result["modes"][m][key] for m in modes], color=["0.6", "tab:blue", "tab:orange"])
+    ax.bar(modes, [result["modes"][m][key] for m in modes], color=["0.6", "tab:blue", "tab:green", "tab:orange"][:len(modes)])
     ax.set_title(label, fontsize=10)
   fig.suptitle(f"structured outputs, {result['checkpoint']} ({result['effort']}, T={result['temperature']})",
                fontsize=10)

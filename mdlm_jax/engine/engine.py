@@ -195,7 +195,7 @@ class Engine:
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
-               weight_layout: str | None = None, grammar_policy: str = "confident"):
+               weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0]):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
@@ -537,8 +537,7 @@ class Engine:
       proposal, picked, proposed = (a[row] for a in self._guided_view)
       if not proposed:
         return None
-      run = int(np.argmin(np.append(picked[off:], False)))  # the rule's picks leading from the cursor
-      taken = c.accept(proposal[off:], run)
+      taken = c.accept(proposal[off:], picked[off:])
       self.stats["grammar_proposed"] += bs - off
     proposed = len(taken)
     taken += c.forced(bs - off - len(taken))

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-ACCEPT_POLICIES = ("confident", "valid")
+ACCEPT_POLICIES = ("bridge", "confident", "valid")  # the first is the default
 # JSON as `json.dumps` writes it: one layout, so the model spends no passes on
 # whitespace and clients read what they expect. A schema's own "x-guidance"
 # options override it.
@@ -149,7 +149,7 @@ class Constraint:
   `end_ids`: tokens that end the output when the grammar is complete (EOS,
   and a chat template's end-of-turn token); the engine writes EOS there."""
 
-  def __init__(self, grammar: Grammar, vocab, end_ids: Sequence[int], *, policy: str = "confident"):
+  def __init__(self, grammar: Grammar, vocab, end_ids: Sequence[int], *, policy: str = "bridge"):
     if policy not in ACCEPT_POLICIES:
       raise ValueError(f"policy must be one of {ACCEPT_POLICIES}, got {policy!r}")
     llg = _llg()
@@ -172,22 +172,31 @@ class Constraint:
       mask = np.concatenate([mask, np.zeros(self._words - mask.shape[0], np.uint32)])
     return mask[:self._words].copy()
 
-  def accept(self, proposals: Sequence[int], confident: int) -> list[int]:
+  def accept(self, proposals: Sequence[int], picked: Sequence[bool] | None = None) -> list[int]:
     """Commits a prefix of `proposals` (one pass's tokens from the first
     undecided column to the block's end, the first drawn under `allowed()`)
-    and returns it; `confident` is how many of them lead the refinement
-    rule's own commit set. Policy "confident" stops there (never before the
-    first token); "valid" takes every grammatical proposal. Sets `ended`
-    when the output is complete (an end token proposed where the grammar
-    may end, or nothing more allowed)."""
+    and returns it; `picked[i]`: the refinement rule would commit proposal i
+    (None: all of them). Within the grammatical prefix, policy "confident"
+    takes the picks leading from the cursor, "bridge" everything up to the
+    last pick, "valid" all of it; never fewer than the first token. Sets
+    `ended` when the output is complete (an end token proposed where the
+    grammar may end, or nothing more allowed)."""
     proposals = [int(t) for t in proposals]
     if not proposals or self.ended:
       return []
-    limit = len(proposals) if self.policy == "valid" else max(1, min(confident, len(proposals)))
+    picked = [True] * len(proposals) if picked is None else [bool(p) for p in picked[:len(proposals)]]
     m = self._matcher
-    n = m.try_consume_tokens(proposals[:limit])
+    if self.policy == "valid":
+      limit = len(proposals)
+    elif self.policy == "confident":
+      limit = next((i for i, p in enumerate(picked) if not p), len(picked))
+    else:  # bridge: through the last pick the grammar would accept
+      grammatical = m.validate_tokens(proposals)
+      limit = max((i + 1 for i, p in enumerate(picked[:grammatical]) if p), default=0)
+    n = m.try_consume_tokens(proposals[:max(1, limit)])
     taken = proposals[:n]
-    if n < limit and proposals[n] in self.end_ids and m.is_accepting():
+    if n < len(proposals) and proposals[n] in self.end_ids and m.is_accepting() and (
+        self.policy == "valid" or picked[n] or n == 0):  # an end the policy would take
       self.ended = True
     elif m.is_stopped():
       self.ended = True

@@ -44,8 +44,8 @@ def test_bench_serve(tiny_checkpoints, tmp_path):
 def test_bench_agent(tiny_checkpoints, tmp_path):
   out = _bench("agent", f"--checkpoint={tiny_checkpoints['mdlm']}", "--seeds=1", "--max-tokens=48",
                "--pass-repeats=2", tmp_path=tmp_path)
-  assert set(out["modes"]) == {"unconstrained", "confident", "valid"}
-  for mode in ("confident", "valid"):
+  assert set(out["modes"]) == {"unconstrained", "confident", "bridge", "valid"}
+  for mode in ("confident", "bridge", "valid"):
     m = out["modes"][mode]
     assert m["valid"] == m["valid_of_stopped"] == m["finished_stop"]  # every finished output validates
     assert m["finished_stop"] + m["finished_length"] == m["requests"] == 5

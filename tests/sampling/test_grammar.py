@@ -57,9 +57,9 @@ def test_a_text_grammar_accepts_its_own_tokenisation(tok):
   forced = c.forced(len(ids))
   assert forced and text.startswith(tok.decode(forced))  # '{"ok": ' is the only way to start
   rest = tok.encode(text[len(tok.decode(forced)):])
-  assert c.accept(rest, len(rest)) == rest
+  assert c.accept(rest) == rest
   # The object is closed: nothing but the end may follow.
-  assert c.ended or (c.accept([tok.eos_id], 1) == [tok.eos_id] and c.ended)
+  assert c.ended or (c.accept([tok.eos_id]) == [tok.eos_id] and c.ended)
 
 
 def test_accept_takes_the_grammatical_prefix_the_policy_allows(tok):
@@ -67,19 +67,23 @@ def test_accept_takes_the_grammatical_prefix_the_policy_allows(tok):
   digits = [tok.encode(str(d))[0] for d in range(10)]
   letter = tok.encode("x")[0]
   proposals = [digits[1], digits[2], digits[3], letter, digits[4]]
-  valid = Constraint(Grammar.regex(r"[0-9]{1,8}"), vocab, [tok.eos_id], policy="valid")
-  assert valid.accept(proposals, 1) == proposals[:3]  # every grammatical proposal
-  confident = Constraint(Grammar.regex(r"[0-9]{1,8}"), vocab, [tok.eos_id], policy="confident")
-  assert confident.accept(proposals, 2) == proposals[:2]  # the rule's picks only
-  assert confident.accept([digits[5]], 0) == [digits[5]]  # never fewer than the cursor's token
+  picks = [True, False, True, False, True]
+  regex = lambda policy: Constraint(Grammar.regex(r"[0-9]{1,8}"), vocab, [tok.eos_id], policy=policy)  # noqa: E731
+  assert regex("valid").accept(proposals, picks) == proposals[:3]  # every grammatical proposal
+  assert regex("bridge").accept(proposals, picks) == proposals[:3]  # through the last grammatical pick
+  assert regex("bridge").accept(proposals, [True, True, False, False, False]) == proposals[:2]
+  confident = regex("confident")
+  assert confident.accept(proposals, picks) == proposals[:1]  # the picks leading from the cursor
+  assert confident.accept(proposals[1:], [True, True, False, True, True]) == proposals[1:3]
+  assert confident.accept([digits[5]], [False]) == [digits[5]]  # never fewer than the cursor's token
   # An end token where the grammar may end closes the output: EOS is
   # committed; another end token (a template's end of turn) ends it before.
-  assert confident.accept([tok.eos_id, digits[6]], 2) == [tok.eos_id] and confident.ended
+  assert confident.accept([tok.eos_id, digits[6]], [True, True]) == [tok.eos_id] and confident.ended
   turn = Constraint(Grammar.regex(r"[0-9]{1,8}"), vocab, [tok.eos_id, letter])
-  assert turn.accept([digits[1], letter, digits[2]], 3) == [digits[1]] and turn.ended
-  assert turn.accept([digits[3]], 1) == []  # nothing after the end
+  assert turn.accept([digits[1], letter, digits[2]]) == [digits[1]] and turn.ended
+  assert turn.accept([digits[3]]) == []  # nothing after the end
   with pytest.raises(RuntimeError, match="not allowed"):
-    Constraint(Grammar.regex(r"[0-9]+"), vocab, [tok.eos_id]).accept([letter], 1)
+    Constraint(Grammar.regex(r"[0-9]+"), vocab, [tok.eos_id]).accept([letter])
 
 
 def test_bitmask_allows_what_the_grammar_allows(tok):
@@ -111,4 +115,4 @@ def test_gbnf_is_read_as_well_as_lark(tok):
   for text in ('root ::= "ab" [0-9]', 'start: "ab" /[0-9]/'):
     c = Constraint(Grammar.lark(text), vocab, [tok.eos_id], policy="valid")
     ids = tok.encode("ab7")
-    assert c.accept(ids, len(ids)) == ids
+    assert c.accept(ids) == ids

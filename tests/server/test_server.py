@@ -353,7 +353,7 @@ def test_weight_layout_flag_reaches_the_engine(tiny_checkpoints):
                     ([f"--weight-layout={flag}"] if flag else []))
     engine, _ = serve.build(a)
     assert engine.loaded.spec.cfg.weight_layout == layout
-    assert engine.grammar_policy == "confident"
+    assert engine.grammar_policy == "bridge"
   engine, _ = serve.build(serve.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", "--slots=2", "--max-tokens=16",
                                        "--grammar-policy=valid"]))
   assert engine.grammar_policy == "valid"
