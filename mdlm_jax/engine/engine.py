@@ -611,22 +611,26 @@ class Engine:
 
   def _gather(self, guided: bool = False, logprobs: bool = False):
     """Host copies of what a publish reads, from every process's rows (after
-    a guided pass also what it proposed for the constrained rows, after a
-    logprobs pass the log-probabilities)."""
+    a guided pass also what it proposed for the constrained rows). After a
+    logprobs pass, the log-probabilities: on one process left on the device
+    for `_logprobs` to read the rows it needs; with several, gathered (a
+    collective every process runs alike)."""
     s = self._state
     arrays = (s.gen, s.block, s.active, s.passes, s.head)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
-    if logprobs:
+    single = jax.process_count() == 1
+    if logprobs and not single:
       arrays += (s.logp, s.top_ids, s.top_logp)
-    if jax.process_count() == 1:
+    if single:
       out = jax.device_get(arrays)
     else:
       from jax.experimental import multihost_utils
       out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
     if guided:
       self._guided_view = tuple(out[5:8])
-    return tuple(out[:5]) + ((tuple(out[-3:]),) if logprobs else (None,))
+    lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
+    return tuple(out[:5]) + (lp,)
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
@@ -696,11 +700,12 @@ class Engine:
     k = h.request.logprobs
     if k is None or arrays is None:
       return None
-    logp, top_ids, top_logp = arrays
     out = []
-    for j in range(h.logprobs_sent, upto):
-      alts = [(int(i), float(v)) for i, v in zip(top_ids[row, j, :k], top_logp[row, j, :k]) if np.isfinite(v)]
-      out.append((int(ids[j]), float(logp[row, j]), alts))
+    if upto > h.logprobs_sent:  # only this row crosses to the host, and only when it has new tokens
+      logp, top_ids, top_logp = (np.asarray(a[row]) for a in arrays)
+      for j in range(h.logprobs_sent, upto):
+        alts = [(int(i), float(v)) for i, v in zip(top_ids[j, :k], top_logp[j, :k]) if np.isfinite(v)]
+        out.append((int(ids[j]), float(logp[j]), alts))
     h.logprobs_sent = max(h.logprobs_sent, upto)
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -26,20 +27,25 @@ from mdlm_jax.server import apply_edit
 from mdlm_jax.server import tools as tools_lib
 from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
-from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, parse_guidance, parse_logprobs,
-                                      parse_messages, parse_model, parse_echo, parse_prompt, parse_prompts,
+from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, guidance_given, parse_guidance,
+                                      parse_logprobs, parse_messages, parse_model, parse_echo, parse_prompt, parse_prompts,
                                       parse_sampling, parse_suffix, require_object)
 
 log = logging.getLogger("mdlm_jax.server")
 
 
 class ServerState:
+  @functools.cached_property
+  def token_bytes(self) -> list[bytes | None]:
+    """Each token's bytes, for logprobs (a Hugging Face tokenizer: its decoded
+    text), built by the first request that asks."""
+    tok = self.tok
+    return tok.token_bytes() if hasattr(tok, "token_bytes") else [tok.decode([i]).encode()
+                                                                  for i in range(tok.vocab_size)]
+
   def __init__(self, engine: Engine, model_id: str, api_key: str | None, limits: Limits):
     self.engine, self.model_id, self.api_key, self.limits = engine, model_id, api_key, limits
     self.tok = engine.tok
-    # Each token's bytes, for logprobs (a Hugging Face tokenizer: its decoded text).
-    self.token_bytes = (engine.tok.token_bytes() if hasattr(engine.tok, "token_bytes") else
-                        [engine.tok.decode([i]).encode() for i in range(engine.tok.vocab_size)])
     self.metrics = Metrics()
     self.created = int(time.time())
     self.shutting_down = False
@@ -119,8 +125,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     calling = tools is not None and tools.choice != "none"
     s.logprobs = _logprobs_for(body, "chat", s, calls=calling)
     if calling and guide is not None:
-      field = next(f for f in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
-                   if body.get(f) is not None)
+      field = guidance_given(body)[0]
       raise APIError(400, f"{field}: cannot be combined with tool calls (tool_choice {tools.choice!r})",
                      param=field, code="invalid_value")
     try:

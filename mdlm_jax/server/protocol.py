@@ -353,8 +353,7 @@ def parse_guidance(body: dict) -> Grammar | None:
   response_format (text, json_object, json_schema), guided_json,
   guided_regex, guided_grammar (Lark or GBNF) and guided_choice; None for
   free text. A malformed one is a 400 naming its field."""
-  given = [name for name in GUIDANCE_FIELDS if body.get(name) is not None
-           and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+  given = guidance_given(body)
   if len(given) > 1:
     raise _bad(given[1], f"only one output constraint per request; {given[0]} is already given")
   if not given:
@@ -380,6 +379,12 @@ def parse_guidance(body: dict) -> Grammar | None:
     return Grammar.choice(_get(body, name, list), name)
   except GrammarError as e:
     raise _bad(e.field, str(e)) from None
+
+
+def guidance_given(body: dict) -> list[str]:
+  """The output-constraint fields a request sets ({"type": "text"} sets none)."""
+  return [name for name in GUIDANCE_FIELDS if body.get(name) is not None
+          and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
 
 
 def _response_format_type(body: dict) -> str:
