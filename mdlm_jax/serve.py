@@ -42,6 +42,8 @@ def parse(argv):
                  help="structured outputs: of the grammatical prefix of a pass's proposals, commit up to the effort"
                       " rule's last pick (bridge), only its picks leading from the cursor (confident), or all of it"
                       " (valid: more tokens a pass, lower likelihood)")
+  p.add_argument("--admit-batch", type=int, default=4,
+                 help="the most waiting requests that share one prefill (each size compiles per prompt bucket)")
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -53,7 +55,7 @@ def parse(argv):
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
   a = p.parse_args(argv)
-  for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes"):
+  for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes", "admit_batch"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   if not 0 <= a.port <= 65535:
@@ -94,7 +96,8 @@ def build(a):
   bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   max_tokens = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
-                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy)
+                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy,
+                  admit_batch=a.admit_batch)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))

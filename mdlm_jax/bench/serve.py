@@ -9,9 +9,10 @@ held-out validation code). Reports p50/p95 latency and total tokens/s per
 level, the HTTP overhead at concurrency 1 against calling the engine directly,
 and the throughput gained by batching (highest level against 1). Then
 --fim-requests fill-in-the-middle requests (prefix and suffix cut from the
-same held-out code), one after another and then all at once: infilling runs
-in the slots, so the concurrent batch should take a fraction of the time
-(`fim.concurrent_over_sequential`). Before the
+same held-out code), one after another and then all at once, --fim-rounds
+times: infilling runs in the slots and requests waiting together share
+prefills (--admit-batch), so the concurrent batch should take a fraction of
+the time (`fim.concurrent_over_sequential`, medians). Before the
 load, it times single passes over 1 slot and over all of them against the
 machine's matmul peak: where one slot's pass already computes near the peak,
 batching cannot multiply throughput (`pass_compute.batching_gain_bound`).
@@ -48,13 +49,16 @@ def parse(argv):
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--effort", default="medium", choices=EFFORTS)
   p.add_argument("--fim-requests", type=int, default=6, help="FIM requests timed in turn and at once")
+  p.add_argument("--fim-rounds", type=int, default=5, help="rounds of both (medians reported)")
   p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
                  help="one weight layout for the engine (default: as the server picks them)")
+  p.add_argument("--admit-batch", type=int, default=4, help="the most waiting requests that share one prefill")
   add_output_flags(p, "bench_serve.png", "latency/throughput plot")
   a = p.parse_args(argv)
   a.concurrency = positive_ints(p, "--concurrency", a.concurrency)
-  if a.requests_per_client < 1 or a.slots < 1 or a.overhead_pairs < 1 or a.fim_requests < 1:
-    p.error("--requests-per-client, --overhead-pairs, --fim-requests and --slots must be positive")
+  if min(a.requests_per_client, a.slots, a.overhead_pairs, a.fim_requests, a.fim_rounds, a.admit_batch) < 1:
+    p.error("--requests-per-client, --overhead-pairs, --fim-requests, --fim-rounds, --slots and --admit-batch"
+            " must be positive")
   return a
 
 
@@ -97,7 +101,7 @@ def main(argv):
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
                   max_queue=max(4 * max(a.concurrency) * a.requests_per_client, 2 * a.fim_requests),
-                  weight_layout=a.weight_layout).warmup()
+                  weight_layout=a.weight_layout, admit_batch=a.admit_batch).warmup()
   result_compute = pass_compute(engine, a.slots)
   engine.start()
   app = create_app(engine, model_id="bench",
@@ -162,7 +166,7 @@ def main(argv):
   if "1" in levels:
     top = str(max(a.concurrency))
     result["throughput_gain"] = levels[top]["tokens_per_s"] / levels["1"]["tokens_per_s"]
-  result["fim"] = fim_timing(http, base, prompts, a)
+  result["fim"] = fim_timing(http, base, prompts, a, engine)
   print(f"fim: {json.dumps(result['fim'])}", file=sys.stderr, flush=True)
   server.should_exit = True
   thread.join(timeout=30)
@@ -173,8 +177,12 @@ def main(argv):
   emit(result, a)
 
 
-def fim_timing(http, base: str, prompts, a) -> dict:
-  """Seconds for a.fim_requests FIM requests in turn and all at once."""
+def fim_timing(http, base: str, prompts, a, engine) -> dict:
+  """Seconds for a.fim_requests FIM requests in turn and all at once, the
+  median of a.fim_rounds alternating rounds (one round moves by 20% on a
+  shared 2-core machine), and how many prefills the concurrent requests took."""
+  import numpy as np
+
   def call(i):
     text = prompts[i % len(prompts)]
     cut = len(text) // 2
@@ -185,16 +193,22 @@ def fim_timing(http, base: str, prompts, a) -> dict:
     return r.json()["usage"]["completion_tokens"]
 
   call(0)  # the prefill bucket of prefix + suffix compiles here
-  t0 = time.perf_counter()
-  for i in range(a.fim_requests):
-    call(i)
-  sequential = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(a.fim_requests) as pool:
-    list(pool.map(call, range(a.fim_requests)))
-  concurrent_s = time.perf_counter() - t0
-  return {"requests": a.fim_requests, "sequential_s": sequential, "concurrent_s": concurrent_s,
-          "concurrent_over_sequential": concurrent_s / sequential}
+  sequential, concurrent_s, prefills = [], [], 0
+  for _ in range(a.fim_rounds):
+    t0 = time.perf_counter()
+    for i in range(a.fim_requests):
+      call(i)
+    sequential.append(time.perf_counter() - t0)
+    before = engine.stats["prefills"]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(a.fim_requests) as pool:
+      list(pool.map(call, range(a.fim_requests)))
+    concurrent_s.append(time.perf_counter() - t0)
+    prefills += engine.stats["prefills"] - before
+  seq, conc = float(np.median(sequential)), float(np.median(concurrent_s))
+  return {"requests": a.fim_requests, "rounds": a.fim_rounds, "sequential_s": seq, "concurrent_s": conc,
+          "concurrent_over_sequential": conc / seq, "ratio_per_round": [c / s for c, s in zip(concurrent_s, sequential)],
+          "concurrent_prefills_per_request": prefills / (a.fim_rounds * a.fim_requests)}
 
 
 def pass_compute(engine, slots: int) -> dict:

@@ -1,9 +1,12 @@
 """Continuous batching: requests join free slots as they arrive and leave when done.
 
 One background thread owns the device state. Each turn it admits waiting
-requests into free slots (one prefill each), runs one refinement pass over all
-slots (with the finished blocks that wait for the cache, or, when few wait,
-a pass half as long without them), and turns the new state into events for each request: the current
+requests into free slots (those waiting together share prefills: a short
+prefill costs its dispatch more than its tokens), runs one refinement pass
+over all slots (with the finished blocks that wait for the cache, or, when
+few wait, a pass half as long without them; constrained rows get the host's
+grammar commits in the same program), and turns the new state into events
+for each request: the current
 draft (for clients watching the diffusion), text committed since the last
 turn (a finished block never changes again), and the end. Cancelling a
 request frees its slot at the next turn.
@@ -191,11 +194,14 @@ class Engine:
   passes and prefills the trained layout, each the faster there (the engine
   then holds the weights twice); elsewhere the weights as loaded.
   `grammar_policy`: how much of a constrained pass's grammatical prefix to
-  commit (`grammar.Constraint.accept`)."""
+  commit (`grammar.Constraint.accept`).
+  `admit_batch`: the most requests admitted in one turn that share a prefill
+  (`admit_groups`); each size up to it compiles once per prompt bucket."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
-               weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0]):
+               weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
+               admit_batch: int = 4):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
@@ -209,10 +215,12 @@ class Engine:
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id,
                                    loaded.spec.cfg.vocab_size)
     self.max_queue = max_queue
+    if admit_batch < 1:
+      raise ValueError(f"admit_batch must be positive, got {admit_batch}")
+    self.admit_batch = min(admit_batch, num_slots)
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
     self.grammar_policy = grammar_policy
-    self._guide = slots_lib.compile_guide(self.sc)
     # A model trained with fill-in-the-middle reads the PSM prompt instead.
     self.fim = fim.format_for(loaded.config, tok)
     # (model, admit, step) for passes over at most FEW_ROWS token rows and for larger ones.
@@ -283,11 +291,14 @@ class Engine:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
       for bucket in sorted({_bucket(n, self.sc.max_prompt) for n in range(1, self.sc.max_prompt + 1)}):
-        model, admit, _ = self._programs_for(bucket)
-        self._state = admit(model.params, self._state, np.int32(0), np.full((bucket,), self.tok.pad_id, np.int32),
-                            np.arange(bucket, dtype=np.int32), np.int32(1), np.int32(1), np.int32(1),
-                            rule.Decoding.broadcast(1, threshold=1.0, min_tokens=1), np.zeros((2,), np.uint32))
-      self._deactivate([0])
+        for k in admit_sizes(bucket, self.admit_batch):
+          model, admit, _ = self._programs_for(k * bucket)
+          ones = np.ones((k,), np.int32)
+          self._state = admit(model.params, self._state, np.arange(k, dtype=np.int32),
+                              np.full((k, bucket), self.tok.pad_id, np.int32),
+                              np.broadcast_to(np.arange(bucket, dtype=np.int32), (k, bucket)), ones, ones, ones,
+                              rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32))
+          self._deactivate(range(k))
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
           self._run_pass(rows, with_head)
@@ -336,13 +347,14 @@ class Engine:
     """Shapes of the slots' key and value buffers."""
     return tuple(self._state.cache.k.shape), tuple(self._state.cache.v.shape)
 
-  def pass_hlo(self, slots: int, with_head: bool) -> str:
+  def pass_hlo(self, slots: int, with_head: bool, guided: bool = False) -> str:
     """The optimised HLO of the pass over `slots` slots, for inspection (what
     a pass copies or rewrites). Call before start()."""
     rows = self._rows_for(slots)
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
+    ops = self._guide_arrays(()) if guided else None
     with self._mesh_context():
-      return step.lower(model.params, self._state, rows=rows, with_head=with_head).compile().as_text()
+      return step.lower(model.params, self._state, ops, rows=rows, with_head=with_head).compile().as_text()
 
   def compiled(self) -> dict[str, int]:
     """How many pass and prefill programs are compiled, over both weight layouts."""
@@ -561,22 +573,26 @@ class Engine:
   def _apply(self, turn: Turn) -> None:
     """The turn's device work; every process runs exactly this."""
     self._deactivate(turn.release)
-    for row, r, key in turn.admits:
-      tokens, positions = r.fixed_row()
-      n = len(tokens)
-      bucket = _bucket(n, self.sc.max_prompt)
-      fixed = np.full((bucket,), self.tok.pad_id, np.int32)
-      fixed[:n] = tokens
-      pos = np.zeros((bucket,), np.int32)
-      pos[:n] = positions
-      n_blocks = -(-r.max_tokens // self.sc.block_size)
-      model, admit, _ = self._programs_for(bucket)
-      self._state = admit(model.params, self._state, np.int32(row), fixed, pos, np.int32(n),
-                          np.int32(len(r.prompt_ids)), np.int32(n_blocks), r.sampler.decoding(1), key)
-    if turn.guides:
-      self._state = self._guide(self._state, *self._guide_arrays(turn.guides))
+    rows_of = [r.fixed_row() for _, r, _ in turn.admits]
+    buckets = [_bucket(len(tokens), self.sc.max_prompt) for tokens, _ in rows_of]
+    for bucket, group in admit_groups(buckets, self.admit_batch):
+      k = len(group)
+      fixed = np.full((k, bucket), self.tok.pad_id, np.int32)
+      pos = np.zeros((k, bucket), np.int32)
+      for j, i in enumerate(group):
+        tokens, positions = rows_of[i]
+        fixed[j, :len(tokens)], pos[j, :len(tokens)] = tokens, positions
+      requests = [turn.admits[i][1] for i in group]
+      ints = lambda values: np.asarray(list(values), np.int32)  # noqa: E731
+      decoding = jax.tree.map(lambda *x: np.concatenate(x), *(r.sampler.decoding(1) for r in requests))
+      model, admit, _ = self._programs_for(k * bucket)
+      self.stats["prefills"] += 1
+      self._state = admit(model.params, self._state, ints(turn.admits[i][0] for i in group), fixed, pos,
+                          ints(len(rows_of[i][0]) for i in group), ints(len(r.prompt_ids) for r in requests),
+                          ints(-(-r.max_tokens // self.sc.block_size) for r in requests), decoding,
+                          np.stack([turn.admits[i][2] for i in group]))
     if turn.rows:
-      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs)
+      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides)
 
   def _guide_arrays(self, guides):
     """`slots.guide`'s operands for a turn's guides: tokens land at their
@@ -597,11 +613,15 @@ class Engine:
     """(model, admit, step) for a pass or prefill over this many token rows."""
     return self._few if token_rows <= FEW_ROWS else self._many
 
-  def _run_pass(self, rows: int, with_head: bool, guided: bool = False, logprobs: bool = False) -> None:
+  def _run_pass(self, rows: int, with_head: bool, guided: bool = False, logprobs: bool = False,
+                guides=()) -> None:
     """One refinement pass over slots [0, rows): each carries its block, and
-    with `with_head` the finished block before it too."""
+    with `with_head` the finished block before it too. `guided`: the pass
+    for while a constrained request is busy, the host's `guides` for the
+    constrained rows written first in the same program (one dispatch a pass)."""
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
-    self._state = step(model.params, self._state, rows=rows, with_head=with_head, guided=guided, logprobs=logprobs)
+    ops = self._guide_arrays(guides) if guided else None
+    self._state = step(model.params, self._state, ops, rows=rows, with_head=with_head, logprobs=logprobs)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
@@ -736,6 +756,33 @@ def _bucket(n: int, cap: int) -> int:
   while b < n:
     b = b * 3 // 2 if b & (b - 1) == 0 else b // 3 * 4
   return min(b, cap)
+
+
+ADMIT_TOKENS = 512  # the most token rows one batched prefill holds
+
+
+def admit_sizes(bucket: int, admit_batch: int) -> list[int]:
+  """The prefill batch sizes compiled for a prompt bucket: powers of two up
+  to `admit_batch` and ADMIT_TOKENS // bucket (past a few hundred tokens a
+  prefill costs its tokens, and batching saves nothing)."""
+  cap = max(1, min(admit_batch, ADMIT_TOKENS // bucket))
+  return [1 << i for i in range(cap.bit_length())]
+
+
+def admit_groups(buckets: Sequence[int], admit_batch: int) -> list[tuple[int, list[int]]]:
+  """(bucket, indices) of the prefills for admits with these prompt buckets:
+  longest first, each batch padded to its longest member's bucket and taking
+  only prompts at least half as long (padding stays under a prompt's own
+  length), its size one of `admit_sizes`."""
+  order = sorted(range(len(buckets)), key=lambda i: -buckets[i])
+  groups = []
+  while order:
+    bucket = buckets[order[0]]
+    fits = sum(2 * buckets[i] >= bucket for i in order)
+    k = max(n for n in admit_sizes(bucket, admit_batch) if n <= fits)
+    groups.append((bucket, order[:k]))
+    order = order[k:]
+  return groups
 
 
 def _row_sharding(mesh, x: Any, num_slots: int):

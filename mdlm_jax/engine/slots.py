@@ -2,7 +2,7 @@
 
 A fixed number of slots, each holding one request at its own point of
 block-by-block diffusion decoding against its own row of a per-row KV cache.
-`admit` prefills one slot's prompt; `step` runs one refinement pass over every
+`admit` prefills the prompts of slots being (re)filled; `step` runs one refinement pass over every
 slot at once: each slot sends [its finished block, if any | its current
 block], the finished block goes into the cache and the current block is
 denoised in the same pass (`Transformer.forward_cached` with new_block).
@@ -96,40 +96,39 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
                top_logp=jnp.zeros((s, g, TOP_LOGPROBS), jnp.float32))
 
 
-def _row_slice(x, row, axis):
-  return lax.dynamic_slice_in_dim(x, row, 1, axis)
-
-
-def _row_update(x, new, row, axis):
-  return lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), row, axis)
-
-
-def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, row, fixed: Int[Array, "p"],
-          positions: Int[Array, "p"], n_fixed, gen_position, n_blocks, decoding: rule.Decoding, key_data) -> Slots:
-  """Resets slot `row` and encodes `fixed[:n_fixed]` (the prompt, after the
-  suffix when infilling) at `positions` into its cache row; the generation
-  region starts at RoPE position `gen_position`. `decoding`: the request's
-  settings (one row). A constrained request's first `guide` follows."""
+def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array, "k"], fixed: Int[Array, "k p"],
+          positions: Int[Array, "k p"], n_fixed: Int[Array, "k"], gen_position: Int[Array, "k"],
+          n_blocks: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array) -> Slots:
+  """Resets slots `rows` and encodes each `fixed[i, :n_fixed[i]]` (the prompt,
+  after the suffix when infilling) at `positions[i]` into its cache row, all
+  in one forward: on a CPU a prefill's fixed cost outweighs its tokens' until
+  a few hundred tokens, so k short prompts cost little more than one. Row i's
+  generation region starts at RoPE position `gen_position[i]`; `decoding`
+  and `key_data` hold the requests' settings and keys (k rows). A row equal
+  to num_slots is padding: its results are dropped. A constrained request's
+  first `guide` follows."""
   model = bind(spec, params)
   c = slots.cache
-  sub = KVCache(k=_row_slice(c.k, row, 1), v=_row_slice(c.v, row, 1), valid=jnp.zeros((1, c.max_len), bool),
-                length=jnp.zeros((1,), jnp.int32), last_hidden=jnp.zeros_like(_row_slice(c.last_hidden, row, 0)))
-  p = fixed.shape[0]
-  valid_new = (jnp.arange(p) < n_fixed)[None]
-  t = jnp.zeros((1,), jnp.float32) if spec.cfg.time_conditioning else None
-  _, sub = model.forward_cached(fixed[None], positions[None], sub, commit=True, valid_new=valid_new, t=t,
-                                commit_len=jnp.reshape(n_fixed, (1,)))
-  cache = c.replace(k=_row_update(c.k, sub.k, row, 1), v=_row_update(c.v, sub.v, row, 1),
-                    valid=_row_update(c.valid, sub.valid, row, 0), length=_row_update(c.length, sub.length, row, 0),
-                    last_hidden=_row_update(c.last_hidden, sub.last_hidden, row, 0))
-  one = lambda x, v: x.at[row].set(jnp.asarray(v, x.dtype))  # noqa: E731
+  k, p = fixed.shape
+  fresh = KVCache(k=jnp.zeros((c.k.shape[0], k, *c.k.shape[2:]), c.k.dtype),
+                  v=jnp.zeros((c.v.shape[0], k, *c.v.shape[2:]), c.v.dtype),
+                  valid=jnp.zeros((k, c.max_len), bool), length=jnp.zeros((k,), jnp.int32),
+                  last_hidden=jnp.zeros((k, c.last_hidden.shape[1]), c.last_hidden.dtype))
+  valid_new = jnp.arange(p)[None] < n_fixed[:, None]
+  t = jnp.zeros((k,), jnp.float32) if spec.cfg.time_conditioning else None
+  _, new = model.forward_cached(fixed, positions, fresh, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
+  put = lambda x, v, axis=0: (x.at[:, rows] if axis else x.at[rows]).set(  # noqa: E731
+      jnp.broadcast_to(jnp.asarray(v, x.dtype), (x.shape[0], k, *x.shape[2:]) if axis else (k, *x.shape[1:])),
+      mode="drop")
+  cache = c.replace(k=put(c.k, new.k, 1), v=put(c.v, new.v, 1), valid=put(c.valid, new.valid),
+                    length=put(c.length, new.length), last_hidden=put(c.last_hidden, new.last_hidden))
   return slots.replace(
-      cache=cache, gen=slots.gen.at[row].set(sc.mask_id), prompt_len=one(slots.prompt_len, gen_position),
-      block=one(slots.block, 0), step=one(slots.step, 0), head=one(slots.head, False),
-      active=one(slots.active, True), n_blocks=one(slots.n_blocks, n_blocks),
-      decoding=slots.decoding.put(row, decoding), key=slots.key.at[row].set(key_data), passes=one(slots.passes, 1),
-      constrained=one(slots.constrained, False), cursor=one(slots.cursor, 0),
-      proposed=one(slots.proposed, False))
+      cache=cache, gen=put(slots.gen, sc.mask_id), prompt_len=put(slots.prompt_len, gen_position),
+      block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, False),
+      active=put(slots.active, True), n_blocks=put(slots.n_blocks, n_blocks),
+      decoding=jax.tree.map(put, slots.decoding, decoding), key=put(slots.key, key_data),
+      passes=put(slots.passes, 1), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
+      proposed=put(slots.proposed, False))
 
 
 def cancel(slots: Slots, row) -> Slots:
@@ -323,14 +322,15 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
 
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
-  """(admit, step_first) jitted, with the slot state donated so it is updated
-  in place; step_first(params, state, rows=k, with_head=h, guided=g,
-  logprobs=l) compiles once per (k, h, g, l)."""
+  """(admit, pass) jitted, with the slot state donated so it is updated in
+  place. pass(params, state, guides, rows=k, with_head=h, logprobs=l)
+  compiles once per (k, h, l) and whether `guides` is None: given (the
+  operands of `guide`), the host's commits for the constrained rows land
+  first, in the same program, and the pass runs guided."""
+  def run(params, state, guides, rows, with_head=True, logprobs=False):
+    if guides is not None:
+      state = guide(sc, state, *guides)
+    return step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs)
+
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,)),
-          jax.jit(lambda params, state, rows, with_head=True, guided=False, logprobs=False:
-                  step_first(spec, sc, rows, params, state, with_head, guided, logprobs),
-                  donate_argnums=(1,), static_argnames=("rows", "with_head", "guided", "logprobs")))
-
-
-compile_guide = functools.lru_cache(maxsize=None)(
-    lambda sc: jax.jit(functools.partial(guide, sc), donate_argnums=(0,)))
+          jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs")))

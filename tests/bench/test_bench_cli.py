@@ -24,7 +24,7 @@ def _bench(*args, tmp_path):
 def test_bench_serve(tiny_checkpoints, tmp_path):
   out = _bench("serve", f"--checkpoint={tiny_checkpoints['mdlm']}", "--concurrency=1,4", "--requests-per-client=2",
                "--max-tokens=16", "--prompt-tokens=16", "--slots=4", "--overhead-pairs=2", "--weight-layout=in_out",
-               tmp_path=tmp_path)
+               "--fim-requests=3", "--fim-rounds=2", "--admit-batch=2", tmp_path=tmp_path)
   assert set(out["levels"]) == {"1", "4"} and out["levels"]["4"]["requests"] == 8
   assert out["weight_layouts"] == ["in_out"]
   assert out["throughput_gain"] > 0 and out["http_overhead_c1"] > -1
@@ -39,6 +39,10 @@ def test_bench_serve(tiny_checkpoints, tmp_path):
   four_at_peak_ms = sum(p["gflop"] for p in passes(4)) / pc["matmul_peak_gflop_per_s"] * 1e3
   bound = 4 * sum(p["ms"] for p in passes(1)) / four_at_peak_ms
   assert pc["batching_gain_bound"] == pytest.approx(bound)
+  fim = out["fim"]
+  assert fim["rounds"] == len(fim["ratio_per_round"]) == 2 and fim["requests"] == 3
+  assert fim["concurrent_over_sequential"] == pytest.approx(fim["concurrent_s"] / fim["sequential_s"])
+  assert 1 / 3 <= fim["concurrent_prefills_per_request"] <= 1
 
 
 def test_bench_agent(tiny_checkpoints, tmp_path):

@@ -125,11 +125,13 @@ def test_passes_do_not_copy_the_cache(loaded):
   import re
   e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
   full = "|".join(",".join(str(d) for d in shape) for shape in e.cache_shapes)
-  # Passes over some slots, with and without finished blocks, and over all without.
-  for rows, with_head in ((1, True), (4, True), (1, False), (8, False), (8, True)):
-    hlo = e.pass_hlo(rows, with_head)
+  # Passes over some slots, with and without finished blocks, and over all
+  # without; guided ones write the host's commits first, in the same program.
+  for rows, with_head, guided in ((1, True, False), (4, True, False), (1, False, False), (8, False, False),
+                                  (8, True, False), (1, True, True), (8, False, True)):
+    hlo = e.pass_hlo(rows, with_head, guided)
     copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
-    assert not copies, f"rows={rows}, with_head={with_head}: {len(copies)} copies of the whole cache"
+    assert not copies, f"rows={rows}, with_head={with_head}, guided={guided}: {len(copies)} copies of the cache"
     if rows == e.num_slots:
       # Each row's new keys land by one scatter; a dynamic-update-slice
       # producing the whole buffer here rewrites a whole layer of it.
@@ -426,3 +428,41 @@ def test_logprobs_of_forced_and_proposed_tokens(loaded, guided_engine):
   forced = {"yes": "es", "no": "o"}[text[:-1]]  # after the first letter the word is forced
   forced_ids = tok.encode(forced)
   assert any(lp == 0.0 and alts == [(i, 0.0)] for i, lp, alts in entries if i in forced_ids)
+
+
+def test_requests_admitted_together_share_prefills_and_decode_as_alone(loaded):
+  """Five requests waiting when the engine starts (prompts of different
+  lengths, one infilling) are prefilled in fewer forwards than requests, and
+  each decodes exactly the one-shot sampler's tokens for it alone."""
+  gen = Generator(loaded)
+  cases = [(p, "", kw) for p, kw in zip(PROMPTS, SETTINGS)] + [
+      ("def g(a, b):\n    ", "\n    return c\n", SETTINGS[0]), ("y = [", "", SETTINGS[1])]
+  e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8, admit_batch=4)
+  handles = [e.submit(_request(loaded, p, max_tokens=16, suffix=suf, seed=i, **kw))
+             for i, (p, suf, kw) in enumerate(cases)]
+  e.start()
+  try:
+    for i, (h, (p, suf, kw)) in enumerate(zip(handles, cases)):
+      want = gen.generate([p], max_new_tokens=16, seed=i, suffixes=[suf] if suf else None,
+                          sampler=ThresholdSampler(block_size=8, kv_cache=True, **kw)).completions[0]
+      assert h.result(timeout=120).text == want.text
+  finally:
+    e.close(deadline_s=1)
+  assert e.stats["admitted"] == len(cases) and e.stats["prefills"] < len(cases)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_admit_groups_cover_every_request_once_with_bounded_padding(seed):
+  from mdlm_jax.engine.engine import ADMIT_TOKENS, _bucket, admit_groups, admit_sizes
+  rng = np.random.default_rng(seed)
+  buckets = [_bucket(int(n), 512) for n in rng.integers(1, 513, size=int(rng.integers(1, 17)))]
+  groups = admit_groups(buckets, 8)
+  assert sorted(i for _, g in groups for i in g) == list(range(len(buckets)))
+  for bucket, g in groups:
+    assert bucket == max(buckets[i] for i in g) and all(2 * buckets[i] >= bucket for i in g)
+    assert len(g) in admit_sizes(bucket, 8) and len(g) * bucket <= max(ADMIT_TOKENS, bucket)
+  # By hand: six short prompts go as 4 + 2, a long one alone, a 16 never beside a 64.
+  assert admit_groups([16] * 6, 8) == [(16, [0, 1, 2, 3]), (16, [4, 5])]
+  assert admit_groups([512, 16], 8) == [(512, [0]), (16, [1])]
+  assert [len(g) for _, g in admit_groups([64, 16, 48, 64], 4)] == [2, 1, 1]
+  assert admit_sizes(96, 8) == [1, 2, 4] and admit_sizes(512, 8) == [1]

@@ -346,7 +346,7 @@ def test_two_process_server_matches_one_device_and_stops_on_sigterm(tiny_checkpo
   assert "[p1] process 1: following process 0" in out and "[p1] process 1: shut down" in out
 
 
-def test_weight_layout_flag_reaches_the_engine(tiny_checkpoints):
+def test_engine_flags_reach_the_engine(tiny_checkpoints):
   from mdlm_jax import serve
   for flag, layout in ((None, "out_in"), ("in_out", "in_out")):  # out_in: the CPU default
     a = serve.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", "--slots=2", "--max-tokens=16"] +
@@ -355,10 +355,12 @@ def test_weight_layout_flag_reaches_the_engine(tiny_checkpoints):
     assert engine.loaded.spec.cfg.weight_layout == layout
     assert engine.grammar_policy == "bridge"
   engine, _ = serve.build(serve.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", "--slots=2", "--max-tokens=16",
-                                       "--grammar-policy=valid"]))
+                                       "--grammar-policy=valid", "--admit-batch=8"]))
   assert engine.grammar_policy == "valid"
-  with pytest.raises(SystemExit):
-    serve.parse(["--weight-layout=rows"])
+  assert engine.admit_batch == 2  # no more than the slots
+  for bad in ("--weight-layout=rows", "--admit-batch=0"):
+    with pytest.raises(SystemExit):
+      serve.parse([bad])
 
 
 def test_turns_survive_the_broadcast_encoding():
@@ -569,7 +571,7 @@ TOOLS = [WEATHER, CLOCK]
 def tool_client(tiny_checkpoints):
   """A server whose prompts fit a tools preamble (the tiny tokenizer spends
   some 600 tokens on two tool signatures)."""
-  proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--max-prompt-tokens=1024",
+  proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--max-prompt-tokens=1024", "--admit-batch=1",
                       "--max-tokens=128")
   yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
   proc.kill()
