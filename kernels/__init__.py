@@ -4,9 +4,11 @@ The model and the samplers call only the functions exported here. Each op has
 a pure-jnp reference (`*_reference`) that is the fallback on every backend.
 
 Implementations:
-- "xla": the reference, everywhere.
+- "xla": plain XLA, everywhere: the reference for a few queries (decoding),
+  and from CHUNKED_FROM queries the chunked online-softmax attention, whose
+  memory grows linearly with the sequence (forward and backward).
 - "pallas": the Pallas kernel for the running backend on GPU (Triton) and TPU
-  (Mosaic); the reference elsewhere (CPU), since interpreted kernels are slow.
+  (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
   interpreter on any backend: how tests run the kernels on CPU.
 The confidence head also takes "triton": the jax-triton kernel on a CUDA
@@ -21,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from mdlm_jax.kernels.attention_reference import attention_reference
+from mdlm_jax.kernels.chunked_attention import chunked_attention
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
@@ -124,17 +127,27 @@ def confidence_head(hidden, w, bits, settings: HeadSettings = HeadSettings(), *,
                                 interpret=interpret)
 
 
+# From this many queries "xla" runs the chunked attention: on CPU it is as
+# fast as the reference at 256 and 2-4x faster (forward and backward) at
+# 2048 (measured), and its memory stays linear in the length.
+CHUNKED_FROM = 256
+
+
 def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_sizes: BlockSizes | None = None):
   """Multi-head attention; shapes as `attention_reference`.
 
-  `mask` is None, a structural `AttentionMask` (the kernels compute it per
-  tile and skip empty tiles), or a dense boolean array, which has no
-  structure for a kernel to use and always runs the reference. Under a
-  device mesh the kernel runs per shard (`shard_map` over batch and heads).
+  `mask` is None, a structural `AttentionMask` (the kernels and the chunked
+  attention compute it per tile and skip empty tiles), or a dense boolean
+  array, which has no structure to use and always runs the reference. Under
+  a device mesh the kernel runs per shard (`shard_map` over batch and heads).
+  A query that may read no key gets zeros (the reference: the mean value).
   """
   _check(implementation)
   target = _kernel_target(implementation)
-  if target is None or (mask is not None and not isinstance(mask, AttentionMask)):
+  dense = mask is not None and not isinstance(mask, AttentionMask)
+  if target is None or dense:
+    if q.shape[1] >= CHUNKED_FROM and not dense:
+      return chunked_attention(q, k, v, mask, causal=causal)
     return attention_reference(q, k, v, causal=causal, mask=mask)
   backend, interpret = target
   mask = (mask if mask is not None else AttentionMask()).with_causal(causal)
@@ -164,6 +177,6 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
       q, k, v, mask)
 
 
-__all__ = ["attention", "attention_reference", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
+__all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
            "IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, kv_tile_range, q_tile_range, tile_mask
+from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, kv_tile_range, q_tile_range, resolve, tile_mask
 
 BACKENDS = ("gpu", "tpu")
 
@@ -462,10 +462,7 @@ def flash_attention(
     raise ValueError(f"unknown flash attention backend {backend!r}; choose from {BACKENDS}")
   b, l, h, d = q.shape
   s, g = k.shape[1], k.shape[2]
-  if h % g:
-    raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({g})")
-  mask = (mask if mask is not None else AttentionMask()).with_causal(causal)
-  mask.check(l, s)
+  mask = resolve(mask, causal, q.shape, k.shape)
   blocks = block_sizes or BlockSizes.get_default(backend)
   c = _Static(spec=mask.spec, l=l, s=s, scale=float(d ** -0.5 if scale is None else scale), blocks=blocks,
               backend=backend, interpret=interpret)

@@ -88,6 +88,17 @@ class AttentionMask:
     return jnp.broadcast_to(out, (out.shape[0] if out.ndim == 3 else 1, l, s))[:, None]
 
 
+def resolve(mask: "AttentionMask | None", causal: bool, q_shape, k_shape) -> "AttentionMask":
+  """The mask an attention of these q [b, l, h, d] and k [b, s, g, d] shapes
+  runs (combined with `causal`), checked against them."""
+  (l, h), (s, g) = (q_shape[1], q_shape[2]), (k_shape[1], k_shape[2])
+  if h % g:
+    raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({g})")
+  mask = (mask if mask is not None else AttentionMask()).with_causal(causal)
+  mask.check(l, s)
+  return mask
+
+
 def _rows(x):
   return None if x is None else x[:, :, None]
 

@@ -8,7 +8,11 @@ naming the field instead of minutes later inside jit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
+
+from mdlm_jax.model.rope import RopeScaling
 
 SCHEDULES = ("loglinear", "linear", "cosine")
 OBJECTIVES = ("mdlm", "ar")
@@ -45,6 +49,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.cond_dim = 128
   m.tie_embeddings = True
   m.rope_theta = 10000.0
+  # Stretching RoPE past the trained context (model/rope.py): type "linear",
+  # "dynamic", "yarn" or "llama3" with `factor` and `max_position`, the
+  # context the model was trained at (configs/extend_context.py fine-tunes with it).
+  m.rope_scaling = ml_collections.ConfigDict(dataclasses.asdict(RopeScaling()))
   m.norm_eps = 1e-6
   m.dtype = "float32"  # compute dtype; params are always float32.
   m.attention = "xla"
@@ -190,6 +198,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
   _check(m.attention in ATTENTION, "model.attention", f"must be one of {ATTENTION}, got {m.attention!r}")
   _check(m.rope_theta > 0, "model.rope_theta", "must be positive")
+  try:
+    RopeScaling.from_dict(m.get("rope_scaling", {}) and m.rope_scaling.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.model.rope_scaling: {e}") from None
   if c.objective == "ar":
     _check(m.causal, "model.causal", "objective 'ar' needs a causal model (set model.causal=True)")
     _check(not m.get("shift_logits", False), "model.shift_logits", "an AR model already scores the next token")

@@ -23,6 +23,7 @@ tokenizer.json (the published checkpoints'), whose special ids are config.json's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -35,6 +36,7 @@ from jaxtyping import Float
 from mdlm_jax import config as config_lib
 from mdlm_jax.checkpoints import params_only, safetensors
 from mdlm_jax.model import ModelConfig
+from mdlm_jax.model.rope import RopeScaling
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.data.tokenizer import Tokenizer
 
@@ -139,6 +141,9 @@ def _check_exportable(fmt: str, cfg: ModelConfig):
     raise InteropError(f"model.mlp={cfg.mlp!r}: {fmt} needs a SwiGLU MLP")
   if cfg.causal:
     raise InteropError(f"model.causal: {fmt} models attend bidirectionally; an AR model does not fit")
+  if fmt == "llada" and cfg.rope_scaling.type != "default":
+    raise InteropError(f"model.rope_scaling: LLaDA's config has no RoPE scaling; export {cfg.rope_scaling.type!r}"
+                       " scaling as --format=dream")
   if fmt == "llada" and cfg.resolved_head_dim * cfg.num_heads != cfg.embed_dim:
     raise InteropError(f"model.head_dim={cfg.head_dim}: LLaDA needs head_dim = embed_dim / num_heads"
                        f" ({cfg.embed_dim} / {cfg.num_heads})")
@@ -166,10 +171,32 @@ def hf_config(fmt: str, cfg: ModelConfig, config: ml_collections.ConfigDict, tok
           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.resolved_kv_heads,
           "head_dim": cfg.resolved_head_dim, "num_hidden_layers": cfg.num_layers,
           "intermediate_size": cfg.mlp_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-          "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": False,
-          "vocab_size": cfg.vocab_size, "max_position_embeddings": seq_len, "use_sliding_window": False,
+          "rope_theta": cfg.rope_theta, "rope_scaling": _hf_rope_scaling(cfg.rope_scaling),
+          "tie_word_embeddings": False, "vocab_size": cfg.vocab_size,
+          # Dynamic and yarn scaling measure against max_position_embeddings.
+          "max_position_embeddings": cfg.rope_scaling.max_position if cfg.rope_scaling.type in ("dynamic", "yarn")
+          else seq_len, "use_sliding_window": False,
           "sliding_window": None, "attention_dropout": 0.0, "use_cache": False}
   return {**hf, **tok.special_ids(), "torch_dtype": dtype, "mdlm_jax": native}
+
+
+def _hf_rope_scaling(s: RopeScaling) -> dict[str, Any] | None:
+  """`rope_scaling` as transformers reads it back to the same frequencies
+  (yarn without original_max_position_embeddings, from which transformers
+  would recompute the factor)."""
+  if s.type == "default":
+    return None
+  out: dict[str, Any] = {"rope_type": s.type, "factor": s.factor}
+  if s.type == "yarn":
+    out.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate)
+    if s.attention_factor is not None:
+      out["attention_factor"] = s.attention_factor
+    if s.mscale and s.mscale_all_dim:
+      out.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
+  if s.type == "llama3":
+    out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+               original_max_position_embeddings=s.max_position)
+  return out
 
 
 def to_hf(fmt: str, params: Any, cfg: ModelConfig) -> dict[str, Float[np.ndarray, "..."]]:
@@ -281,8 +308,10 @@ def _model_fields(fmt: str, hf: dict, tensors: dict, source: str) -> tuple[dict,
     if hf.get("use_sliding_window"):
       raise InteropError(f"{source}: use_sliding_window=true is not supported")
     rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-      raise InteropError(f"{source}: rope scaling is not supported (plain RoPE only)")
+    try:
+      scaling = RopeScaling.from_hf(hf)
+    except ValueError as e:
+      raise InteropError(f"{source}: {e}") from None
     heads = _get(hf, "num_attention_heads", source)
     d = _get(hf, "hidden_size", source)
     fields = dict(num_layers=_get(hf, "num_hidden_layers", source), embed_dim=d, num_heads=heads,
@@ -291,7 +320,8 @@ def _model_fields(fmt: str, hf: dict, tensors: dict, source: str) -> tuple[dict,
                   mlp_dim=_get(hf, "intermediate_size", source),
                   rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
                   norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=False,
-                  qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors)
+                  qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+                  rope_scaling=dataclasses.asdict(scaling))
     head_is_embedding = bool(hf.get("tie_word_embeddings", False))
   if fields["num_kv_heads"] == fields["num_heads"]:
     fields["num_kv_heads"] = -1

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdlm_jax import kernels
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.precision import PARAM_DTYPE, STATS_DTYPE
+from mdlm_jax.model.rope import RopeScaling, rope
 from mdlm_jax.parallel.sharding import constrain
 
 
@@ -55,27 +56,18 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(x.dtype)
 
 
-def rope(x: Float[Array, "b l h d"], positions: Int[Array, "b l"], theta: float):
-  """Rotary position embedding (rotate-half layout), computed in float32."""
-  d = x.shape[-1]
-  freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  angles = positions[..., None].astype(jnp.float32) * freqs  # [b, l, d/2]
-  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
-
-
 class Attention(nnx.Module):
   """Self-attention with RoPE; `num_kv_heads` < `num_heads` is grouped-query
   attention (query heads [j * r, (j + 1) * r) share kv head j, as in Llama)."""
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
                attention_impl: str, dtype, rngs: nnx.Rngs, num_kv_heads: int | None = None,
+               rope_scaling: RopeScaling = RopeScaling(),
                qkv_bias: bool = False, out_in: bool = False):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta, self.attention_impl, self.dtype, self.out_in = rope_theta, attention_impl, dtype, out_in
+    self.rope_scaling = rope_scaling
     init = fan_in_init(embed_dim)
     if out_in:  # the decoding layout: q, k and v heads in one [out, in] weight, one product
       self.wqkv = param(rngs, init, (num_heads + 2 * num_kv_heads, head_dim, embed_dim), ("heads", "kv", "embed"))
@@ -127,8 +119,8 @@ class Attention(nnx.Module):
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
     q, k_, v = self._project_qkv(x2, (b, l))
-    q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "act_heads", None))
-    k_ = constrain(rope(k_, positions, self.rope_theta), ("batch", "length", "act_kv_heads", None))
+    q = constrain(rope(q, positions, self.rope_theta, self.rope_scaling), ("batch", "length", "act_heads", None))
+    k_ = constrain(rope(k_, positions, self.rope_theta, self.rope_scaling), ("batch", "length", "act_kv_heads", None))
     v = constrain(v, ("batch", "length", "act_kv_heads", None))
     if cache is not None:
       cache = cache.write(layer, k_, v)

@@ -18,6 +18,7 @@ from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import MLP, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
 from mdlm_jax.model.precision import compute_dtype
+from mdlm_jax.model.rope import RopeScaling
 from mdlm_jax.parallel.sharding import constrain
 
 
@@ -40,6 +41,7 @@ class ModelConfig:
   cond_dim: int = 128
   tie_embeddings: bool = True
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
   norm_eps: float = 1e-6
   dtype: str = "float32"
   attention: str = "xla"
@@ -64,6 +66,8 @@ class ModelConfig:
   def from_config(cls, m: ml_collections.ConfigDict, vocab_size: int | None = None) -> "ModelConfig":
     fields = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in m.to_dict().items() if k in fields}
+    if "rope_scaling" in kw:
+      kw["rope_scaling"] = RopeScaling.from_dict(kw["rope_scaling"])
     if vocab_size is not None:
       kw["vocab_size"] = vocab_size
     if kw.get("vocab_size", -1) <= 0:
@@ -77,7 +81,8 @@ class Block(nnx.Module):
     out_in = cfg.weight_layout == "out_in"
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, num_kv_heads=cfg.resolved_kv_heads,
-                          qkv_bias=cfg.qkv_bias, rope_theta=cfg.rope_theta, attention_impl=cfg.attention, dtype=dt,
+                          qkv_bias=cfg.qkv_bias, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                          attention_impl=cfg.attention, dtype=dt,
                           rngs=rngs, out_in=out_in)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs, out_in=out_in)

@@ -1,6 +1,7 @@
 """LLaDA/Dream-layout export and import: exact round trips, sharding, errors, and
 logits against transformers' Llama/Qwen2 on the same weights (the `interop` extra)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -402,3 +403,24 @@ def test_published_folder_tokenizer_errors(hf_tok, hf_json, tmp_path):
   r = _run_export("--import", f"--checkpoint={no_mask}", f"--out={tmp_path / 'x'}")
   assert r.returncode != 0 and "no mask_token_id" in r.stderr and "Traceback" not in r.stderr
   assert not (tmp_path / "x").exists()
+
+
+def test_rope_scaling_travels_through_the_dream_layout(tok, tmp_path):
+  """A model extended with YaRN exports as Dream's `rope_scaling` and loads
+  back with the same scaling and logits; LLaDA's config has no place for it."""
+  from mdlm_jax.model.rope import RopeScaling
+  yarn = RopeScaling(type="yarn", factor=4.0, max_position=32)
+  c, params = make(tok, rope_scaling=dataclasses.asdict(yarn))
+  out = interop.save(str(tmp_path / "d"), "dream", params, c, tok, step=0, dtype="float32")
+  hf = json.load(open(os.path.join(out, "config.json")))
+  assert hf["rope_scaling"]["rope_type"] == "yarn" and hf["max_position_embeddings"] == 32
+  loaded = checkpoints.load(out)
+  assert loaded.spec.cfg.rope_scaling == yarn
+  tokens = np.random.default_rng(0).integers(0, tok.vocab_size, (1, 48))  # past the trained 32
+  spec = model_spec(ModelConfig.from_config(c.model, vocab_size=tok.vocab_size), None)
+  want = logits(spec, params, tokens)
+  np.testing.assert_allclose(logits(loaded.spec, loaded.params, tokens), want, rtol=1e-5, atol=1e-5)
+  plain = model_spec(dataclasses.replace(spec.cfg, rope_scaling=RopeScaling()), None)
+  assert np.abs(logits(plain, params, tokens) - want).max() > 1e-3  # the scaling is not a no-op
+  with pytest.raises(interop.InteropError, match="model.rope_scaling"):
+    interop.save(str(tmp_path / "l"), "llada", params, c, tok, step=0, dtype="float32")

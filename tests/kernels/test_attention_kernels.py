@@ -49,9 +49,10 @@ def rand_inputs(rng, b, l, s, h, g, d, dtype):
   return q, k, v, jnp.asarray(rng.normal(size=(b, l, h, d)), jnp.float32)
 
 
-def compare(kind, dims, dtype, backend="gpu", blocks=SMALL):
+def compare(kind, dims, dtype, backend="gpu", blocks=SMALL, impl=None):
   """Forward and jax.grad of sum(out * r) against the reference; rows that may
-  read no key (allowed to differ) are left out of both."""
+  read no key (allowed to differ) are left out of both. `impl(q, k, v, mask)`:
+  the attention under test (default: the Pallas kernel, interpreted)."""
   seed = fresh_seed()
   rng = np.random.default_rng(seed)
   b, l, s, h, g, d = dims
@@ -67,8 +68,8 @@ def compare(kind, dims, dtype, backend="gpu", blocks=SMALL):
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return out, grads
 
-  got = jax.jit(lambda q, k, v: run(lambda *a: kernels.flash_attention(
-      *a, mask, block_sizes=blocks, backend=backend, interpret=True)))(q, k, v)
+  impl = impl or (lambda *a: kernels.flash_attention(*a, block_sizes=blocks, backend=backend, interpret=True))
+  got = jax.jit(lambda q, k, v: run(lambda *a: impl(*a, mask)))(q, k, v)
   ref = jax.jit(lambda q, k, v: run(lambda *a: kernels.attention_reference(*a, mask=mask)))(q, k, v)
   f32 = dtype == jnp.float32
   out, ref_out = (np.asarray(x[0], np.float32) * has_key[:, :, None, None] for x in (got, ref))

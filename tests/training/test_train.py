@@ -160,3 +160,26 @@ def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp
   tiny_config.train.update(num_steps=6)
   again = trainer.train(tiny_config, str(tmp_path / "run"))
   assert again["step"] == 6
+
+
+def test_extend_context_fine_tunes_a_trained_model_at_a_longer_context(tiny_checkpoints, tmp_path):
+  """configs/extend_context.py:tiny,2,yarn starts from the trained weights at
+  twice the context with YaRN scaling; the result loads with that scaling."""
+  from mdlm_jax.config import load_config_file
+  from mdlm_jax.model.rope import RopeScaling
+  src = checkpoints.load(tiny_checkpoints["mdlm"])
+  c = load_config_file(os.path.join(REPO, "configs", "extend_context.py"))
+  assert c.data.seq_len == 4 * load_config_file(os.path.join(REPO, "configs", "pycode.py")).data.seq_len
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("extend", os.path.join(REPO, "configs", "extend_context.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("tiny,2,yarn")
+  c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1, init_from=tiny_checkpoints["mdlm"])
+  trainer.train(c, str(tmp_path / "long"))
+  got = checkpoints.load(str(tmp_path / "long"))
+  trained = src.config.data.seq_len
+  assert got.config.data.seq_len == 2 * trained
+  assert got.spec.cfg.rope_scaling == RopeScaling(type="yarn", factor=2.0, max_position=trained)
+  with pytest.raises(ValueError, match="FACTOR"):
+    module.get_config("tiny,0")

@@ -1,0 +1,103 @@
+"""Chunked online-softmax attention (plain JAX, memory linear in length)
+against the reference for every mask kind, forward and backward, and against
+a float64 numpy softmax; on fresh random inputs (the seed is in failures)."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax import kernels
+from mdlm_jax.kernels import AttentionMask
+from mdlm_jax.kernels.chunked_attention import chunked_attention
+from tests.kernels.test_attention_kernels import CASES, compare, fresh_seed, make_mask, rand_inputs
+
+
+def _chunked(block_q, block_k):
+  return lambda q, k, v, mask: chunked_attention(q, k, v, mask, block_q=block_q, block_k=block_k)
+
+
+@pytest.mark.parametrize("kind,dims", CASES, ids=[c[0] for c in CASES])
+def test_every_mask_kind_matches_the_reference(kind, dims):
+  """Tiles of 8 x 16 over lengths they do not divide: ragged last tiles."""
+  compare(kind, dims, jnp.float32, impl=_chunked(8, 16))
+
+
+def test_bfloat16_matches_the_reference():
+  compare("causal", (2, 33, 33, 2, 1, 16), jnp.bfloat16, impl=_chunked(16, 8))
+
+
+@pytest.mark.parametrize("kind", ["causal", "prefix", "segments"])
+def test_forward_equals_a_float64_softmax(kind):
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  b, l, s, h, g, d = 2, 19, 19 if kind != "prefix" else 45, 4, 2, 8
+  q, k, v, _ = rand_inputs(rng, b, l, s, h, g, d, jnp.float32)
+  mask = make_mask(kind, rng, b, l, s)
+  allowed = np.broadcast_to(np.asarray(mask.dense(l, s)), (b, 1, l, s))[:, 0]  # [b, l, s]
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  k64, v64 = np.repeat(k64, h // g, axis=2), np.repeat(v64, h // g, axis=2)  # GQA: kv head j serves h/g query heads
+  scores = np.einsum("blhd,bshd->bhls", q64, k64) / np.sqrt(d)
+  scores = np.where(allowed[:, None], scores, -np.inf)
+  has_key = allowed.any(-1)  # [b, l]
+  scores = np.where(has_key[:, None, :, None], scores, 0.0)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum("bhls,bshd->blhd", p / p.sum(-1, keepdims=True), v64) * has_key[:, :, None, None]
+  got = np.asarray(jax.jit(lambda q, k, v: chunked_attention(q, k, v, mask, block_q=8, block_k=8))(q, k, v))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+
+
+def test_a_row_reading_nothing_is_zero_with_zero_gradients():
+  """As from the kernels; finite everywhere (no 0/0 from an empty softmax)."""
+  _, k, v, _ = rand_inputs(np.random.default_rng(fresh_seed()), 1, 3, 5, 2, 2, 8, jnp.float32)
+  q = k[:, :3]
+  mask = AttentionMask(kind="prefix", q_end=jnp.asarray([[0, 2, 5]], jnp.int32), kv_valid=jnp.ones((1, 5), bool))
+  run = lambda q, k, v: chunked_attention(q, k, v, mask, block_q=2, block_k=2)  # noqa: E731  (a tile past the keys)
+  out = np.asarray(run(q, k, v))
+  assert np.all(out[0, 0] == 0.0) and np.isfinite(out).all()
+  np.testing.assert_allclose(out[0, 1:], np.asarray(kernels.attention_reference(q, k, v, mask=mask))[0, 1:],
+                             rtol=1e-6, atol=1e-6)
+  grads = jax.grad(lambda q, k, v: run(q, k, v)[0, 0].sum(), argnums=(0, 1, 2))(q, k, v)
+  assert all(np.all(np.asarray(g) == 0.0) for g in grads)
+
+
+def test_backward_keeps_no_score_matrix():
+  """The saved residuals of a 4096-long causal pass are linear in length: no
+  [L, S] array anywhere in the gradient's jaxpr (the reference has several)."""
+  b, l, h, d = 1, 4096, 1, 8
+  q = jax.ShapeDtypeStruct((b, l, h, d), jnp.float32)
+
+  def sizes(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield from (int(np.prod(var.aval.shape)) for var in eqn.outvars if hasattr(var.aval, "shape"))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):  # loop bodies, the custom VJP's rules
+        yield from sizes(sub)
+
+  def largest(fn):
+    return max(sizes(jax.make_jaxpr(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))(q, q, q).jaxpr))
+
+  assert largest(lambda q, k, v: chunked_attention(q, k, v, causal=True, block_q=256, block_k=256)) < 4 * l * 64
+  assert largest(lambda q, k, v: kernels.attention_reference(q, k, v, causal=True)) >= l * l
+
+
+def test_dispatch_runs_it_from_chunked_from_queries():
+  """"xla" (and "pallas" off GPU/TPU) is the reference below CHUNKED_FROM
+  queries and the chunked attention from there; a dense mask stays on the reference."""
+  rng = np.random.default_rng(fresh_seed())
+  n = kernels.CHUNKED_FROM
+  q, k, v, _ = rand_inputs(rng, 1, n, n, 2, 1, 8, jnp.float32)
+  chunked = np.asarray(jax.jit(lambda q, k, v: chunked_attention(q, k, v, causal=True))(q, k, v))
+  reference = np.asarray(jax.jit(lambda q, k, v: kernels.attention_reference(q, k, v, causal=True))(q, k, v))
+  assert not np.array_equal(chunked, reference)  # the two sum in different orders
+  for impl in ("xla", "pallas"):
+    got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, causal=True, implementation=impl))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), chunked)
+  short = jax.jit(lambda q, k, v: kernels.attention(q[:, -8:], k, v, causal=True))(q, k, v)
+  np.testing.assert_array_equal(
+      np.asarray(short), np.asarray(jax.jit(lambda q, k, v: kernels.attention_reference(q[:, -8:], k, v, causal=True))(
+          q, k, v)))
+  dense = jnp.asarray(rng.random((1, 1, n, n)) < 0.5).at[..., 0].set(True)
+  got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, mask=dense))(q, k, v)
+  np.testing.assert_array_equal(
+      np.asarray(got), np.asarray(jax.jit(lambda q, k, v: kernels.attention_reference(q, k, v, mask=dense))(q, k, v)))
