@@ -11,6 +11,8 @@ Implementations:
   (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
   interpreter on any backend: how tests run the kernels on CPU.
+Attention also takes "reference": the materialised [L, S] reference at
+every length (comparisons; its memory grows with the square of the length).
 The confidence head also takes "triton": the jax-triton kernel on a CUDA
 backend (the `gpu` extra), the reference elsewhere.
 """
@@ -31,6 +33,7 @@ from mdlm_jax.kernels.masks import AttentionMask, MaskSpec
 from mdlm_jax.kernels.numerics import LOGITS_DTYPE
 
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS + ("reference",)
 HEAD_IMPLEMENTATIONS = IMPLEMENTATIONS + ("triton",)
 
 
@@ -43,8 +46,8 @@ def kernel_backend() -> str | None:
 
 
 def _check(implementation: str) -> None:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown attention implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
+  if implementation not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"unknown attention implementation {implementation!r}; choose from {ATTENTION_IMPLEMENTATIONS}")
 
 
 def _kernel_target(implementation: str) -> tuple[str, bool] | None:
@@ -146,7 +149,7 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
   target = _kernel_target(implementation)
   dense = mask is not None and not isinstance(mask, AttentionMask)
   if target is None or dense:
-    if q.shape[1] >= CHUNKED_FROM and not dense:
+    if q.shape[1] >= CHUNKED_FROM and not dense and implementation != "reference":
       return chunked_attention(q, k, v, mask, causal=causal)
     return attention_reference(q, k, v, causal=causal, mask=mask)
   backend, interpret = target
@@ -178,5 +181,5 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
 
 
 __all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
-           "IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
+           "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

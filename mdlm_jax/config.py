@@ -20,7 +20,7 @@ MLPS = ("swiglu", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
 # "pallas": fused kernels on GPU/TPU, the XLA reference elsewhere; "pallas_interpret":
 # the kernels under the Pallas interpreter on any backend (tests only: slow).
-ATTENTION = ("xla", "pallas", "pallas_interpret")
+ATTENTION = ("xla", "pallas", "pallas_interpret", "reference")
 SHARDING_RULES = ("fsdp", "fsdp_tp")  # tables in mdlm_jax/sharding.py
 MESH_AXES = ("data", "fsdp", "tensor")
 

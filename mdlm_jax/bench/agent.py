@@ -33,7 +33,7 @@ import json
 import sys
 import time
 
-from mdlm_jax.bench.common import add_output_flags, emit, load_checkpoint, save_figure
+from mdlm_jax.bench.common import add_output_flags, finish, load_checkpoint, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
 
 _NAME = {"type": "string"}
@@ -184,10 +184,7 @@ def main(argv):
     m["pass_time_added"] = {kind: (best["guided"][kind] + m["grammar_host_s_per_pass"]) / plain - 1.0
                             for kind, plain in best["plain"].items()}
     m["validity_rate"] = m["valid_of_stopped"] / max(m["finished_stop"], 1)
-  if a.png:
-    plot(result, a.png)
-    result["png"] = a.png
-  emit(result, a)
+  finish(result, a, plot)
 
 
 def plot(result: dict, path: str) -> None:

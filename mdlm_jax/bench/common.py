@@ -41,6 +41,14 @@ def emit(result: dict, a: argparse.Namespace) -> None:
   print(json.dumps(result, indent=None if a.json else 2))
 
 
+def finish(result: dict, a: argparse.Namespace, plot) -> None:
+  """The plot (when --png is set, its path recorded in the result), then the JSON."""
+  if a.png:
+    plot(result, a.png)
+    result["png"] = a.png
+  emit(result, a)
+
+
 def load_checkpoint(path: str | None, command: str):
   """(path, loaded) of `path`, or of the packaged model when None; a bad
   path ends the command with its error, as the CLIs do."""

@@ -24,7 +24,7 @@ import math
 import sys
 import time
 
-from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
+from mdlm_jax.bench.common import add_output_flags, finish, positive_ints, save_figure
 from mdlm_jax.model.layers import WEIGHT_LAYOUTS
 
 
@@ -299,10 +299,7 @@ def main(argv):
   if not a.skip_100m:
     result["memory_bound_100m"] = memory_bound_shape(a.new_tokens, a.prompt_tokens, a.repeats)
   result["transformers_peer"] = transformers_peer(a.new_tokens, a.prompt_tokens, a.repeats)
-  if a.png:
-    plot(result, a.png)
-    result["png"] = a.png
-  emit(result, a)
+  finish(result, a, plot)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-from mdlm_jax.bench.common import add_output_flags, emit, positive_ints, save_figure
+from mdlm_jax.bench.common import add_output_flags, finish, positive_ints, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
 from mdlm_jax.model.layers import WEIGHT_LAYOUTS
 
@@ -171,10 +171,7 @@ def main(argv):
   server.should_exit = True
   thread.join(timeout=30)
   engine.close(deadline_s=5)
-  if a.png:
-    plot(result, a.png)
-    result["png"] = a.png
-  emit(result, a)
+  finish(result, a, plot)
 
 
 def fim_timing(http, base: str, prompts, a, engine) -> dict:

@@ -203,11 +203,12 @@ class Transformer(nnx.Module):
   def head_input(self, hidden: Float[Array, "b l d"]) -> HeadInput:
     """The vocabulary head's inputs: `logits` is `head_input(hidden).logits()`."""
     out_in = self.cfg.weight_layout == "out_in"
+    impl = "xla" if self.cfg.attention == "reference" else self.cfg.attention  # the head has no reference mode
     if self.head is not None:
-      return HeadInput(hidden, self.head[...], self.cfg.attention, out_in)
+      return HeadInput(hidden, self.head[...], impl, out_in)
     hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
     emb = self.embedding[...]  # [v, d]: already out_in
-    return HeadInput(hidden, emb if out_in else emb.T, self.cfg.attention, out_in)
+    return HeadInput(hidden, emb if out_in else emb.T, impl, out_in)
 
   def logits(self, hidden: Float[Array, "b l d"]) -> Float[Array, "b l v"]:
     return constrain(self.head_input(hidden).logits(), ("batch", "length", "act_vocab"))

@@ -83,3 +83,16 @@ def test_bench_kernels_on_cpu_checks_numerics():
     if name.startswith("attention/"):
       assert check["loss_rel_err"] < 1e-5 and check["grad_max_abs_err"] < 1e-4, name
   assert out["numerics"]["confidence_head"]["tokens_equal"]
+
+
+def test_bench_longctx(tiny_checkpoints, tmp_path):
+  out = _bench("longctx", f"--checkpoint={tiny_checkpoints['mdlm']}", "--lengths=256,1024", "--time-up-to=256",
+               tmp_path=tmp_path)
+  runs = {(r["attention"], r["length"]): r for r in out["runs"]}
+  assert set(runs) == {(a, n) for a in ("xla", "reference") for n in (256, 1024)}
+  for (attention, n), r in runs.items():
+    assert r["fits"] and r["bytes_per_token"] == pytest.approx(r["gib"] * 2**30 / n)
+    assert (r["seconds"] is not None) == (n <= 256)
+  # Four times the length: the reference's [L, L] scores grow 16x, the chunked attention's tiles not at all.
+  grow = lambda a: runs[(a, 1024)]["temp_gib"] / runs[(a, 256)]["temp_gib"]  # noqa: E731
+  assert grow("reference") > 8 and grow("xla") < 5

@@ -83,7 +83,8 @@ def test_backward_keeps_no_score_matrix():
 
 def test_dispatch_runs_it_from_chunked_from_queries():
   """"xla" (and "pallas" off GPU/TPU) is the reference below CHUNKED_FROM
-  queries and the chunked attention from there; a dense mask stays on the reference."""
+  queries and the chunked attention from there; a dense mask and
+  "reference" stay on the reference."""
   rng = np.random.default_rng(fresh_seed())
   n = kernels.CHUNKED_FROM
   q, k, v, _ = rand_inputs(rng, 1, n, n, 2, 1, 8, jnp.float32)
@@ -93,6 +94,8 @@ def test_dispatch_runs_it_from_chunked_from_queries():
   for impl in ("xla", "pallas"):
     got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, causal=True, implementation=impl))(q, k, v)
     np.testing.assert_array_equal(np.asarray(got), chunked)
+  forced = jax.jit(lambda q, k, v: kernels.attention(q, k, v, causal=True, implementation="reference"))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(forced), reference)  # "reference": materialised at every length
   short = jax.jit(lambda q, k, v: kernels.attention(q[:, -8:], k, v, causal=True))(q, k, v)
   np.testing.assert_array_equal(
       np.asarray(short), np.asarray(jax.jit(lambda q, k, v: kernels.attention_reference(q[:, -8:], k, v, causal=True))(
