@@ -43,6 +43,8 @@ _ACCUM = flags.DEFINE_integer("grad_accum", None, "micro-batches per step (defau
 _RULES = flags.DEFINE_enum("rules", None, ["fsdp", "fsdp_tp"], "sharding rules (default: config.sharding.rules)")
 _PLATFORM = flags.DEFINE_enum("platform", "tpu", ["tpu", "cuda", "rocm", "cpu"], "platform to lower for")
 _COMPILE = flags.DEFINE_bool("compile", False, "also compile on virtual CPU devices and print XLA's figures")
+_SLOTS = flags.DEFINE_integer("serve_slots", 8, "serving: engine slots (requests decoded together)")
+_CONTEXT = flags.DEFINE_integer("serve_context", None, "serving: tokens each slot holds (default: config.data.seq_len)")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object per mesh instead of a table")
 flags.mark_flags_as_required(["config", "mesh"])
 
@@ -74,6 +76,7 @@ class Plan:
   analytic: dict  # bytes per device from the formula
   measured: dict | None = None  # XLA:CPU memory_analysis, when compiled
   lowered: bool = False
+  serving: dict | None = None  # one device serving the model (`serving_memory`)
 
   @property
   def total(self) -> int:
@@ -155,8 +158,30 @@ def activation_bytes(cfg, *, micro_batch: int, seq_len: int, sizes: dict, rules:
   return out
 
 
+def serving_memory(cfg, *, param_bytes: int, slots: int, context: int, weight_copies: int,
+                   device_memory: int | None) -> dict:
+  """The serving engine on one device: its weights (twice on CPU, where
+  passes over a few slots read an [out, in] copy), and a KV cache of
+  `context` tokens per slot (keys and values of every layer, in the compute
+  dtype), and the longest context per slot that fits beside the weights with
+  1 and with `slots` slots. A long prompt's prefill needs a workspace on top,
+  linear in its length with the chunked attention (`bench longctx` measures it)."""
+  from mdlm_jax.model.precision import compute_dtype
+  import numpy as np
+  per_token = 2 * cfg.num_layers * cfg.resolved_kv_heads * cfg.resolved_head_dim * np.dtype(
+      compute_dtype(cfg.dtype)).itemsize
+  out = {"slots": slots, "context": context, "weights": param_bytes * weight_copies,
+         "kv_cache_bytes_per_token": per_token, "kv_cache": slots * context * per_token}
+  if device_memory is not None:
+    room = max(device_memory - out["weights"], 0)
+    out["longest_context_1_slot"] = room // per_token
+    out[f"longest_context_{slots}_slots"] = room // (slots * per_token)
+  return out
+
+
 def plan_one(config, mesh_sizes: dict, *, batch: int, accum: int, rules: str, platform: str,
-             compile_: bool) -> Plan:
+             compile_: bool, serve_slots: int = 8, serve_context: int | None = None,
+             device_memory: int | None = None) -> Plan:
   import jax
   import jax.numpy as jnp
   from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
@@ -222,7 +247,12 @@ def plan_one(config, mesh_sizes: dict, *, batch: int, accum: int, rules: str, pl
     measured = None
     if compile_:
       measured = _compile_on_cpu(jitted, weights, train, tokens, key, mesh_sizes, n)
-  return Plan(mesh_sizes, n, rules, batch, batch // shards // accum, seq_len, exact, analytic, measured, True)
+  whole_params = sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(spec.abstract))  # unsharded, f32
+  serving = serving_memory(cfg, param_bytes=whole_params,
+                           slots=serve_slots, context=serve_context or config.data.seq_len,
+                           weight_copies=2 if platform == "cpu" else 1, device_memory=device_memory)
+  return Plan(mesh_sizes, n, rules, batch, batch // shards // accum, seq_len, exact, analytic, measured, True,
+              serving)
 
 
 def _compile_on_cpu(jitted, weights, train, tokens, key, mesh_sizes, n) -> dict:
@@ -263,6 +293,16 @@ def describe(p: Plan, device_memory: int | None) -> str:
     lines += [f"    {k:<36}{fmt(v)}" for k, v in p.measured.items()]
     peak = p.measured["arguments"] + p.measured["outputs"] - p.measured["aliased"] + p.measured["temporaries"]
     lines.append(f"    {'peak (args + outputs - aliased + temps)':<36}{fmt(peak)}")
+  if p.serving:
+    sv = p.serving
+    lines.append(f"  serving on one device: {sv['slots']} slots x {sv['context']} tokens")
+    lines.append(f"    {'weights':<36}{fmt(sv['weights'])}")
+    lines.append(f"    {'KV cache':<36}{fmt(sv['kv_cache'])}  ({sv['kv_cache_bytes_per_token'] / 1024:.1f} KiB"
+                 " per token)")
+    if "longest_context_1_slot" in sv:
+      many = sv[f"longest_context_{sv['slots']}_slots"]
+      lines.append(f"    longest context per slot: {sv['longest_context_1_slot']:,} tokens with 1 slot, {many:,} with"
+                   f" {sv['slots']} (KV cache beside the weights; a prefill's workspace comes on top)")
   return "\n".join(lines)
 
 
@@ -282,7 +322,8 @@ def main(argv):
     plans = [plan_one(c, m, batch=_BATCH.value or c.data.batch_size,
                       accum=_ACCUM.value or c.optim.grad_accum_steps,
                       rules=_RULES.value or c.get("sharding", {}).get("rules", "fsdp_tp"),
-                      platform=_PLATFORM.value, compile_=_COMPILE.value) for m in meshes]
+                      platform=_PLATFORM.value, compile_=_COMPILE.value, serve_slots=_SLOTS.value,
+                      serve_context=_CONTEXT.value, device_memory=device_memory) for m in meshes]
   except cli.USER_ERRORS as e:
     cli.fail("plan", e)
   for p in plans:
@@ -302,7 +343,7 @@ def main(argv):
 
 def parse_flags(argv):
   """absl flags, also spelled with dashes (--device-memory, --batch-size)."""
-  dashed = ("device-memory", "batch-size", "grad-accum")
+  dashed = ("device-memory", "batch-size", "grad-accum", "serve-slots", "serve-context")
   for i, arg in enumerate(argv):
     for name in dashed:
       if arg == f"--{name}" or arg.startswith(f"--{name}="):

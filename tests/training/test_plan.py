@@ -38,6 +38,13 @@ def test_cli_json_and_a_clear_failure_when_it_does_not_fit():
   assert all(p["fits"] and p["lowered"] for p in plans)
   # Tensor parallelism halves the attention/MLP weights each device holds.
   assert plans[1]["exact"]["params (f32)"] < plans[0]["exact"]["params (f32)"]
+  # Serving (tiny: 2 layers x 4 heads x 16 dims, f32): keys and values are 2 * 2 * 4 * 16 * 4 bytes a token.
+  sv = plans[0]["serving"]
+  assert sv["kv_cache_bytes_per_token"] == 1024 and sv["slots"] == 8 and sv["context"] == 64
+  assert sv["kv_cache"] == 8 * 64 * 1024
+  assert sv["weights"] == 2 * plans[0]["exact"]["params (f32)"]  # all of them (training shards them over fsdp=2)
+  assert sv["longest_context_1_slot"] == (2**30 - sv["weights"]) // 1024
+  assert sv["longest_context_8_slots"] == (2**30 - sv["weights"]) // (8 * 1024)
   r = subprocess.run(base[:6] + ["--device-memory=1MiB"], capture_output=True, text=True, timeout=120)
   assert r.returncode == 1
   assert "does not fit 1.0 MiB per device: data=2,fsdp=2,tensor=1 needs" in r.stderr
