@@ -5,8 +5,9 @@ a pure-jnp reference (`*_reference`) that is the fallback on every backend.
 
 Implementations:
 - "xla": plain XLA, everywhere: the reference for a few queries (decoding),
-  and from CHUNKED_FROM queries the chunked online-softmax attention, whose
-  memory grows linearly with the sequence (forward and backward).
+  and from CHUNKED_FROM queries (or a KV cache of CHUNKED_CACHE_FROM slots)
+  the chunked online-softmax attention, whose memory grows linearly with the
+  sequence (forward and backward).
 - "pallas": the Pallas kernel for the running backend on GPU (Triton) and TPU
   (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
@@ -134,6 +135,10 @@ def confidence_head(hidden, w, bits, settings: HeadSettings = HeadSettings(), *,
 # fast as the reference at 256 and 2-4x faster (forward and backward) at
 # 2048 (measured), and its memory stays linear in the length.
 CHUNKED_FROM = 256
+# A KV cache this long is read by the chunked attention even for a few
+# queries (decoding passes): it stops at the filled prefix's last tile, where
+# the reference scores every slot of the buffer.
+CHUNKED_CACHE_FROM = 4096
 
 
 def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_sizes: BlockSizes | None = None):
@@ -149,7 +154,8 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
   target = _kernel_target(implementation)
   dense = mask is not None and not isinstance(mask, AttentionMask)
   if target is None or dense:
-    if q.shape[1] >= CHUNKED_FROM and not dense and implementation != "reference":
+    long_cache = isinstance(mask, AttentionMask) and mask.kind == "prefix" and k.shape[1] >= CHUNKED_CACHE_FROM
+    if (q.shape[1] >= CHUNKED_FROM or long_cache) and not dense and implementation != "reference":
       return chunked_attention(q, k, v, mask, causal=causal)
     return attention_reference(q, k, v, causal=causal, mask=mask)
   backend, interpret = target
@@ -180,6 +186,6 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
       q, k, v, mask)
 
 
-__all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
+__all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "CHUNKED_CACHE_FROM", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
            "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

@@ -104,3 +104,20 @@ def test_dispatch_runs_it_from_chunked_from_queries():
   got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, mask=dense))(q, k, v)
   np.testing.assert_array_equal(
       np.asarray(got), np.asarray(jax.jit(lambda q, k, v: kernels.attention_reference(q, k, v, mask=dense))(q, k, v)))
+
+
+def test_a_long_kv_cache_is_read_up_to_its_filled_prefix():
+  """Decoding against a cache of CHUNKED_CACHE_FROM slots runs the chunked
+  attention, which stops at the last filled tile; same values as the reference."""
+  rng = np.random.default_rng(fresh_seed())
+  s, l = kernels.CHUNKED_CACHE_FROM, 16
+  q, k, v, _ = rand_inputs(rng, 2, l, s, 2, 1, 8, jnp.float32)
+  q_end = jnp.asarray(rng.integers(1, 700, size=(2, 1)) + np.arange(l)[None], jnp.int32)  # a block after a prefix
+  mask = AttentionMask(kind="prefix", q_end=q_end, kv_valid=jnp.asarray(rng.random((2, s)) < 0.9).at[:, 0].set(True))
+  loops = lambda *a, mask: "while" in str(jax.make_jaxpr(lambda q, k, v: kernels.attention(q, k, v, mask=mask))(*a))  # noqa: E731
+  assert loops(q, k, v, mask=mask)  # the chunked attention's key-tile loop
+  got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, mask=mask))(q, k, v)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(kernels.attention_reference(q, k, v, mask=mask)),
+                             rtol=2e-5, atol=2e-5)
+  short = AttentionMask(kind="prefix", q_end=q_end, kv_valid=mask.kv_valid[:, :s // 2])
+  assert not loops(q, k[:, :s // 2], v[:, :s // 2], mask=short)  # a shorter cache stays on the reference
