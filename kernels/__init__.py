@@ -131,9 +131,9 @@ def confidence_head(hidden, w, bits, settings: HeadSettings = HeadSettings(), *,
                                 interpret=interpret)
 
 
-# From this many queries "xla" runs the chunked attention: on CPU it is as
-# fast as the reference at 256 and 2-4x faster (forward and backward) at
-# 2048 (measured), and its memory stays linear in the length.
+# From this many queries "xla" runs the chunked attention: on CPU it keeps
+# pace with the reference from a few hundred tokens and pulls ahead with
+# length (`bench longctx`), and its memory stays linear in the length.
 CHUNKED_FROM = 256
 # A KV cache this long is read by the chunked attention even for a few
 # queries (decoding passes): it stops at the filled prefix's last tile, where

@@ -48,7 +48,8 @@ def _start(checkpoint, *args, devices=1):
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny")
+  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny",
+                      "--admit-batch=2")  # batched prefills of 2 (fewer startup compiles than 4)
   yield proc, base
   if proc.poll() is None:
     proc.kill()
