@@ -67,6 +67,7 @@ def test_score_counts_what_passes():
   assert mixed["pass@1"] == pytest.approx(0.25) and mixed["pass@2"] == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, capsys):
   out = tmp_path / "he.json"
   he.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--cache={cache}", "--limit=3", "--infill-tokens=8",

@@ -69,6 +69,7 @@ def test_infilling_matches_the_generator_and_respects_max_tokens(loaded, engine)
     assert done.text == want.text and done.completion_tokens == len(want.tokens) <= n
 
 
+@pytest.mark.slow
 def test_a_shifted_head_matches_the_generator(loaded):
   """A model scoring token i from state i - 1 (shift_logits) decodes the same in
   the engine, whose slots keep each row's last state, as in the one-shot sampler."""

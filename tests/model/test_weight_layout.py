@@ -43,6 +43,7 @@ def test_both_layouts_write_the_same_tokens(diffusion):
   assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
 
 
+@pytest.mark.slow
 def test_generator_picks_the_layout_by_rows_per_pass(diffusion):
   """Default on CPU: the [out, in] copy for few rows per pass, the trained
   layout past FEW_ROWS; the tokens are the same either way."""

@@ -180,6 +180,7 @@ def test_canvas_layout():
     make_canvas([[1]], 0, mask_id=9, pad_id=0)
 
 
+@pytest.mark.slow
 def test_same_tokens_on_a_4_device_mesh(tiny_config, tmp_path):
   """Params sharded by the training rules, rows over 'data': same samples."""
   if len(jax.devices()) < 4:

@@ -140,6 +140,7 @@ def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_
     trainer.train(c, str(tmp_path / "nothing"))
 
 
+@pytest.mark.slow
 def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp_path):
   """data.kind=chat: conversations in the chat template, the loss over the
   answers only; the run evaluates on the held-out file and resumes."""
