@@ -196,12 +196,14 @@ class Engine:
   `grammar_policy`: how much of a constrained pass's grammatical prefix to
   commit (`grammar.Constraint.accept`).
   `admit_batch`: the most requests admitted in one turn that share a prefill
-  (`admit_groups`); each size up to it compiles once per prompt bucket."""
+  (`admit_groups`); each size up to it compiles once per prompt bucket (the
+  server's default is 4: on a CPU a short prefill costs its dispatch more
+  than its tokens)."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
-               admit_batch: int = 4):
+               admit_batch: int = 1):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))

@@ -230,7 +230,7 @@ def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
 def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
   sharded = checkpoints.load(tiny_checkpoints["mdlm"], mesh=mesh)
-  e = Engine(sharded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8, mesh=mesh)
+  e = Engine(sharded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8, mesh=mesh, admit_batch=4)
   try:
     reqs = [_request(loaded, p, max_tokens=16, temperature=1.0, seed=3, **kw) for p, kw in zip(PROMPTS, SETTINGS)]
     handles = [e.submit(r) for r in reqs]  # waiting together: their prefills batch over the sharded slots
