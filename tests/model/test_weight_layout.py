@@ -32,6 +32,7 @@ def test_for_decoding_copies_into_the_cpu_layout_and_back_exactly(diffusion):
   assert for_decoding(diffusion, "in_out") is diffusion  # already there: no copy
 
 
+@pytest.mark.slow
 def test_both_layouts_write_the_same_tokens(diffusion):
   sampler = adapt_to_model(sampler_for("medium"), diffusion.config.diffusion.block_size)
   prompts = ["def read_config(path):\n", "import os\n\nclass Cache:\n"]

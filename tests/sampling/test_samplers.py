@@ -238,6 +238,7 @@ def test_kv_cached_blocks_equal_uncached_block_causal(request, which, sampler):
                        suffixes=["x", "y"])
 
 
+@pytest.mark.slow
 def test_cached_infilling_reads_the_suffix(generator):
   """Cached infilling keeps max_new_tokens, and a block's logits read the
   suffix encoded into the cache at the positions after the middle."""

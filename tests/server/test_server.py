@@ -49,7 +49,7 @@ def _start(checkpoint, *args, devices=1):
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
   proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny",
-                      "--admit-batch=2")  # batched prefills of 2 (fewer startup compiles than 4)
+                      "--admit-batch=1")  # batched prefills: tests/engine (each size compiles at startup)
   yield proc, base
   if proc.poll() is None:
     proc.kill()
