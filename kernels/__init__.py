@@ -186,6 +186,7 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
       q, k, v, mask)
 
 
-__all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "CHUNKED_CACHE_FROM", "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes",
-           "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS", "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
+__all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "CHUNKED_CACHE_FROM",
+           "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
+           "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

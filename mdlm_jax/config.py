@@ -199,7 +199,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(m.attention in ATTENTION, "model.attention", f"must be one of {ATTENTION}, got {m.attention!r}")
   _check(m.rope_theta > 0, "model.rope_theta", "must be positive")
   try:
-    RopeScaling.from_dict(m.get("rope_scaling", {}) and m.rope_scaling.to_dict())
+    RopeScaling.from_dict(m.rope_scaling.to_dict() if "rope_scaling" in m else None)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.model.rope_scaling: {e}") from None
   if c.objective == "ar":

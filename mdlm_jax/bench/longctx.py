@@ -108,12 +108,13 @@ def main(argv):
   a = parse(argv)
   from absl import logging
   logging.set_verbosity(logging.ERROR)
+  from mdlm_jax.model.kv_cache import KVCache
   path, loaded = load_checkpoint(a.checkpoint, "bench longctx")
   cfg = loaded.spec.cfg
   result = {"bench": "longctx", "checkpoint": path, "memory_gib": a.memory_gib,
             "model": {"layers": cfg.num_layers, "embed_dim": cfg.embed_dim, "heads": cfg.num_heads,
                       "kv_heads": cfg.resolved_kv_heads, "head_dim": cfg.resolved_head_dim},
-            "kv_cache_bytes_per_token": 2 * cfg.num_layers * cfg.resolved_kv_heads * cfg.resolved_head_dim * 4,
+            "kv_cache_bytes_per_token": KVCache.bytes_per_token(cfg),
             "runs": []}
   for length in a.lengths:
     for attention in ATTENTIONS:

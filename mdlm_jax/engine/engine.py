@@ -577,6 +577,7 @@ class Engine:
     self._deactivate(turn.release)
     rows_of = [r.fixed_row() for _, r, _ in turn.admits]
     buckets = [_bucket(len(tokens), self.sc.max_prompt) for tokens, _ in rows_of]
+    ints = lambda values: np.asarray(list(values), np.int32)  # noqa: E731
     for bucket, group in admit_groups(buckets, self.admit_batch):
       k = len(group)
       fixed = np.full((k, bucket), self.tok.pad_id, np.int32)
@@ -585,7 +586,6 @@ class Engine:
         tokens, positions = rows_of[i]
         fixed[j, :len(tokens)], pos[j, :len(tokens)] = tokens, positions
       requests = [turn.admits[i][1] for i in group]
-      ints = lambda values: np.asarray(list(values), np.int32)  # noqa: E731
       decoding = jax.tree.map(lambda *x: np.concatenate(x), *(r.sampler.decoding(1) for r in requests))
       model, admit, _ = self._programs_for(k * bucket)
       self.stats["prefills"] += 1

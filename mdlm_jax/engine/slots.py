@@ -2,10 +2,10 @@
 
 A fixed number of slots, each holding one request at its own point of
 block-by-block diffusion decoding against its own row of a per-row KV cache.
-`admit` prefills the prompts of slots being (re)filled; `step` runs one refinement pass over every
-slot at once: each slot sends [its finished block, if any | its current
-block], the finished block goes into the cache and the current block is
-denoised in the same pass (`Transformer.forward_cached` with new_block).
+`admit` prefills the prompts of slots being (re)filled; `step` runs one
+refinement pass over every slot at once: each slot sends [its finished
+block, if any | its current block], the finished block goes into the cache
+and the current block is denoised in the same pass (`Transformer.forward_cached` with new_block).
 Each slot's decoding settings are one row of a `rule.Decoding` (arrays, not
 static arguments), so requests of different efforts share every pass; the
 pass applies `sampling.rule`, the rule the one-shot samplers apply, and a

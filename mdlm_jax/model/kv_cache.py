@@ -69,6 +69,12 @@ class KVCache:
       return jax.lax.dynamic_update_slice_in_dim(buf, new, self.length, axis)
     return jax.vmap(lambda b, n, o: jax.lax.dynamic_update_slice_in_dim(b, n, o, axis - 1))(buf, new, self.length)
 
+  @staticmethod
+  def bytes_per_token(cfg: "ModelConfig") -> int:
+    """Bytes one cached token takes: keys and values of every layer, in the compute dtype."""
+    return 2 * cfg.num_layers * cfg.resolved_kv_heads * cfg.resolved_head_dim * jnp.dtype(
+        compute_dtype(cfg.dtype)).itemsize
+
   @property
   def max_len(self) -> int:
     return self.v.shape[3]

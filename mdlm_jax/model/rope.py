@@ -71,10 +71,6 @@ class RopeScaling:
       raise ValueError(f"unknown model.rope_scaling keys {sorted(unknown)}")
     return cls(**d)
 
-  def to_dict(self) -> dict[str, Any]:
-    return {} if self.type == "default" else {k: v for k, v in dataclasses.asdict(self).items()
-                                              if v != getattr(RopeScaling, k, None) or k == "type"}
-
   @classmethod
   def from_hf(cls, hf: dict[str, Any]) -> "RopeScaling":
     """From a Hugging Face config.json: `rope_scaling` or `rope_parameters`
@@ -130,10 +126,9 @@ class RopeScaling:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
       high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    keep = 1 - ramp  # 1: extrapolate (unchanged), 0: interpolate (divided by factor)
-    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    return (1.0 / (self.factor * base)) * (1 - keep) + (1.0 / base) * keep, float(scale)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)  # 0: kept, 1: interpolated
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return inv / self.factor * ramp + inv * (1 - ramp), float(scale)
 
   def _llama3(self, inv: np.ndarray) -> np.ndarray:
     low_wavelen = self.max_position / self.low_freq_factor

@@ -52,10 +52,6 @@ class Decoding:
     return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(temperature, np.float32),
                full(top_p, np.float32))
 
-  def put(self, row, other: "Decoding") -> "Decoding":
-    """This with row `row` replaced by `other`'s single row."""
-    return jax.tree.map(lambda a, b: a.at[row].set(jnp.reshape(b, ()).astype(a.dtype)), self, other)
-
 
 def pass_keys(key_data: jax.Array, *ids) -> jax.Array:
   """Per-row keys [B, 2] for one pass: each row's key folded with the pass's

@@ -166,10 +166,8 @@ def serving_memory(cfg, *, param_bytes: int, slots: int, context: int, weight_co
   dtype), and the longest context per slot that fits beside the weights with
   1 and with `slots` slots. A long prompt's prefill needs a workspace on top,
   linear in its length with the chunked attention (`bench longctx` measures it)."""
-  from mdlm_jax.model.precision import compute_dtype
-  import numpy as np
-  per_token = 2 * cfg.num_layers * cfg.resolved_kv_heads * cfg.resolved_head_dim * np.dtype(
-      compute_dtype(cfg.dtype)).itemsize
+  from mdlm_jax.model.kv_cache import KVCache
+  per_token = KVCache.bytes_per_token(cfg)
   out = {"slots": slots, "context": context, "weights": param_bytes * weight_copies,
          "kv_cache_bytes_per_token": per_token, "kv_cache": slots * context * per_token}
   if device_memory is not None:
