@@ -12,6 +12,9 @@ Implementations:
   (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
   interpreter on any backend: how tests run the kernels on CPU.
+Under a mesh whose `sequence` axis is larger than 1, attention over a sharded
+sequence runs `sequence_parallel_attention` (gathered keys and values, the
+chunked attention per device) for every implementation but "reference".
 Attention also takes "reference": the materialised [L, S] reference at
 every length (comparisons; its memory grows with the square of the length).
 The confidence head also takes "triton": the jax-triton kernel on a CUDA
@@ -30,7 +33,8 @@ from mdlm_jax.kernels.chunked_attention import chunked_attention
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
-from mdlm_jax.kernels.masks import AttentionMask, MaskSpec
+from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, resolve
+from mdlm_jax.kernels.sequence_parallel import sequence_parallel_attention, sequence_shards
 from mdlm_jax.kernels.numerics import LOGITS_DTYPE
 
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
@@ -153,6 +157,11 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
   _check(implementation)
   target = _kernel_target(implementation)
   dense = mask is not None and not isinstance(mask, AttentionMask)
+  mesh = jax.sharding.get_abstract_mesh()
+  if not dense and implementation != "reference" and sequence_shards(mesh, q.shape[1], k.shape[1]) > 1:
+    batch, heads = _shard_axes(mesh, q, k)
+    mask = resolve(mask, causal, q.shape, k.shape)
+    return sequence_parallel_attention(q, k, v, mask, mesh=mesh, batch=batch, heads=heads, kv_heads=heads)
   if target is None or dense:
     long_cache = isinstance(mask, AttentionMask) and mask.kind == "prefix" and k.shape[1] >= CHUNKED_CACHE_FROM
     if (q.shape[1] >= CHUNKED_FROM or long_cache) and not dense and implementation != "reference":
@@ -167,19 +176,23 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
   return _per_shard(run, q, k, v, mask)
 
 
-def _per_shard(fn, q, k, v, mask: AttentionMask):
-  """`fn` under shard_map over the mesh's batch and head axes (a pallas_call
-  cannot be partitioned by XLA); a plain call outside a mesh."""
+def _shard_axes(mesh, q, k):
+  """The mesh axes (or None) that q and k share on their batch and head dims."""
   from mdlm_jax.parallel import sharding
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty or mesh.size == 1:
-    return fn(q, k, v, mask)
   sizes = dict(mesh.shape)
   qs = sharding.fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), q.shape, sizes)
   ks = sharding.fit_spec(sharding.logical_to_spec(("batch", None, "act_heads", None)), k.shape, sizes)
-  batch, heads = qs[0], qs[2] if qs[2] == ks[2] else None  # GQA groups must split alike
-  if ks[0] != batch:
-    batch = None
+  heads = qs[2] if qs[2] == ks[2] else None  # GQA groups must split alike
+  return (qs[0] if ks[0] == qs[0] else None), heads
+
+
+def _per_shard(fn, q, k, v, mask: AttentionMask):
+  """`fn` under shard_map over the mesh's batch and head axes (a pallas_call
+  cannot be partitioned by XLA); a plain call outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return fn(q, k, v, mask)
+  batch, heads = _shard_axes(mesh, q, k)
   qkv = P(batch, None, heads, None)
   mask_specs = jax.tree.map(lambda x: P(batch if x.shape[0] > 1 else None, *([None] * (x.ndim - 1))), mask)
   return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, mask_specs), out_specs=qkv, check_vma=False)(

@@ -31,11 +31,18 @@ _MIN = float(jnp.finfo(jnp.float32).min)
 
 def chunked_attention(q: Float[Array, "b l h d"], k: Float[Array, "b s g d"], v: Float[Array, "b s g d"],
                       mask: AttentionMask | None = None, *, causal: bool = False, block_q: int = 512,
-                      block_k: int = 512, scale: float | None = None) -> Float[Array, "b l h d"]:
-  """`attention_reference` with [block_q, block_k] score tiles (see module doc)."""
+                      block_k: int = 512, scale: float | None = None, q_offset=0,
+                      q_total: int | None = None) -> Float[Array, "b l h d"]:
+  """`attention_reference` with [block_q, block_k] score tiles (see module doc).
+
+  `q` may be a slice of a longer query sequence, as one device's share under
+  sequence parallelism: rows `q_offset` (traced) onwards of `q_total` queries,
+  against all the keys. Structural masks are evaluated at those global rows;
+  the mask's per-row arrays (`q_segment_ids`, `q_end`) cover the slice."""
   b, l, h, d = q.shape
   s, g = k.shape[1], k.shape[2]
-  mask = resolve(mask, causal, q.shape, k.shape)
+  q_total = l if q_total is None else q_total
+  mask = resolve(mask, causal, (b, q_total, h, d), k.shape)
   bq, bk = min(block_q, l), min(block_k, s)
   lp, sp = -(-l // bq) * bq, -(-s // bk) * bk
   scale = d ** -0.5 if scale is None else scale
@@ -53,7 +60,8 @@ def chunked_attention(q: Float[Array, "b l h d"], k: Float[Array, "b s g d"], v:
   kt, vt = pad(k, sp).transpose(0, 2, 1, 3), pad(v, sp).transpose(0, 2, 1, 3)
   rows = (pad(mask.q_segment_ids, lp), pad(mask.q_end, lp))
   cols = (pad(mask.kv_segment_ids, sp), pad(mask.kv_valid, sp))
-  out = _attention(mask.spec, bq, bk, l, s, float(scale), qt, kt, vt, rows, cols)
+  offset = jnp.asarray(q_offset, jnp.int32)
+  out = _attention(mask.spec, bq, bk, q_total, s, float(scale), qt, kt, vt, rows, cols, offset)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, lp, h, d)[:, :l]
 
 
@@ -75,20 +83,22 @@ def _tile(x, j, n: int, axis: int):
 class _Tiling:
   """Where query tile i's rows and key tile j's columns are, and their mask."""
 
-  def __init__(self, spec: MaskSpec, l: int, s: int, bq: int, bk: int, rows, cols):
+  def __init__(self, spec: MaskSpec, l: int, s: int, bq: int, bk: int, rows, cols, offset):
     self.spec, self.l, self.s, self.bq, self.bk, self.rows, self.cols = spec, l, s, bq, bk, rows, cols
+    self.offset = offset  # the global row of local query 0
 
   def key_range(self, i, n_k: int):
     """[first, last) key tiles holding a key some row of query tile i may read."""
     q_end = _tile(self.rows[1], i, self.bq, 1)
-    return kv_tile_range(self.spec, i * self.bq, (i + 1) * self.bq, l=self.l, s=self.s, block_k=self.bk,
+    lo = self.offset + i * self.bq
+    return kv_tile_range(self.spec, lo, lo + self.bq, l=self.l, s=self.s, block_k=self.bk,
                          num_k_blocks=n_k, q_end_max=None if q_end is None else jnp.max(q_end))
 
   def allowed(self, i, j):
     """The [B, 1, 1, bq, bk] mask of query tile i against key tile j."""
     (q_seg, q_end), (kv_seg, kv_valid) = (tuple(_tile(x, i, self.bq, 1) for x in self.rows),
                                           tuple(_tile(x, j, self.bk, 1) for x in self.cols))
-    qi = (i * self.bq + jnp.arange(self.bq, dtype=jnp.int32))[:, None]
+    qi = (self.offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32))[:, None]
     kj = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32))[None, :]
     expand = lambda x, at: None if x is None else jnp.expand_dims(x, at)  # noqa: E731
     m = tile_mask(self.spec, qi, kj, l=self.l, s=self.s, q_seg=expand(q_seg, 2), kv_seg=expand(kv_seg, 1),
@@ -102,11 +112,11 @@ def _scores(qc, kc, allowed):
   return jnp.where(allowed, sc, _MIN)
 
 
-def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols):
+def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset):
   """(out [b, g, r, L, d], lse [b, g, r, L]); a row that may read no key
   gets zeros and an infinite lse (so no gradient)."""
   qs = qt * jnp.asarray(scale, qt.dtype)
-  tiling = _Tiling(spec, l, s, bq, bk, rows, cols)
+  tiling = _Tiling(spec, l, s, bq, bk, rows, cols, offset)
   n_k = kt.shape[2] // bk
 
   def q_tile(i):
@@ -136,22 +146,22 @@ def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _attention(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols):
-  return _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols)[0]
+def _attention(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset):
+  return _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset)[0]
 
 
-def _attention_fwd(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols):
-  out, lse = _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols)
-  return out, (qt, kt, vt, rows, cols, out, lse)
+def _attention_fwd(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset):
+  out, lse = _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset)
+  return out, (qt, kt, vt, rows, cols, offset, out, lse)
 
 
 def _attention_bwd(spec, bq, bk, l, s, scale, res, dout):
   """Per query tile, per key tile it reads: p from the saved lse, then
   dV += p^T dO, dS = p (dO V^T - rowsum(dO O)), dQ += dS K, dK += dS^T Q."""
-  qt, kt, vt, rows, cols, out, lse = res
+  qt, kt, vt, rows, cols, offset, out, lse = res
   qs = qt * jnp.asarray(scale, qt.dtype)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  tiling = _Tiling(spec, l, s, bq, bk, rows, cols)
+  tiling = _Tiling(spec, l, s, bq, bk, rows, cols, offset)
   n_k = kt.shape[2] // bk
 
   def q_tile(carry, i):
@@ -178,7 +188,7 @@ def _attention_bwd(spec, bq, bk, l, s, scale, res, dout):
   zeros = jnp.zeros(kt.shape, jnp.float32)
   (dk, dv), dq = jax.lax.scan(q_tile, (zeros, zeros), jnp.arange(qt.shape[3] // bq))
   dq = _untile(dq, 3) * scale
-  return dq.astype(qt.dtype), dk.astype(kt.dtype), dv.astype(vt.dtype), None, None
+  return dq.astype(qt.dtype), dk.astype(kt.dtype), dv.astype(vt.dtype), None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

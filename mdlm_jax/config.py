@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the kernels under the Pallas interpreter on any backend (tests only: slow).
 ATTENTION = ("xla", "pallas", "pallas_interpret", "reference")
 SHARDING_RULES = ("fsdp", "fsdp_tp")  # tables in mdlm_jax/sharding.py
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -127,6 +127,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1  # -1: all devices not used by the other axes.
   ms.fsdp = 1
+  # Sequence parallelism: activations split along the sequence, attention
+  # gathers keys and values (kernels/sequence_parallel.py); for contexts whose
+  # activations do not fit one device.
+  ms.sequence = 1
   ms.tensor = 1
 
   # How logical axes map onto the mesh: "fsdp_tp" (weights over fsdp on embed,
@@ -146,7 +150,7 @@ def parse_mesh(text: str) -> dict[str, int]:
   try:
     sizes = {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
   except ValueError:
-    raise ValueError(f"mesh must look like 'data=2,fsdp=4,tensor=2', got {text!r}") from None
+    raise ValueError(f"mesh must look like 'data=2,fsdp=4,sequence=1,tensor=2', got {text!r}") from None
   unknown = sorted(set(sizes) - set(MESH_AXES))
   if unknown:
     raise ValueError(f"mesh axes are {', '.join(MESH_AXES)}; got {unknown} in {text!r}")
@@ -260,10 +264,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0")
 
-  for ax in ("data", "fsdp", "tensor"):
-    v = c.mesh[ax]
+  for ax in MESH_AXES:
+    v = c.mesh.get(ax, 1)
     _check(v == -1 or v >= 1, f"mesh.{ax}", f"must be -1 or a positive int, got {v}")
-  _check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh", "at most one axis may be -1")
+  _check(sum(c.mesh.get(a, 1) == -1 for a in MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
+  seq = c.mesh.get("sequence", 1)
+  _check(seq == -1 or dt.seq_len % seq == 0, "mesh.sequence",
+         f"must divide data.seq_len={dt.seq_len}, got {seq}")
   _check(dt.num_shards >= 0, "data.num_shards", f"must be >= 0 (0 = one per process), got {dt.num_shards}")
   rules = c.get("sharding", {}).get("rules", "fsdp_tp")
   _check(rules in SHARDING_RULES, "sharding.rules", f"must be one of {SHARDING_RULES}, got {rules!r}")

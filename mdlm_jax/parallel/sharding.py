@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 # Logical name -> mesh axis (or tuple of axes, or None = replicated), one
 # table per strategy (config.sharding.rules). The batch always goes over data
@@ -27,7 +27,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # batch. The tensor axis carries nothing, so it must have size 1.
 FSDP_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "sequence"),  # sequence parallelism; size 1 unless config.mesh.sequence > 1
     ("embed", "fsdp"),
     ("heads", None),
     ("kv_heads", None),
@@ -47,7 +47,7 @@ FSDP_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 # group (one all-reduce after attention and after the MLP).
 FSDP_TP_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "sequence"),  # sequence parallelism; size 1 unless config.mesh.sequence > 1
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),  # GQA key/value heads; dropped where they do not divide the tensor axis
@@ -78,7 +78,7 @@ _rules = contextvars.ContextVar("mdlm_jax_axis_rules", default=DEFAULT_RULES)
 
 def mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
   """Resolves -1 in the config to the devices left over; checks the product."""
-  sizes = {a: int(mesh_cfg[a]) for a in MESH_AXES}
+  sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
   known = math.prod(v for v in sizes.values() if v != -1)
   if num_devices % known:
     raise ValueError(f"mesh {sizes} does not divide the {num_devices} available devices")

@@ -34,7 +34,7 @@ from ml_collections import config_flags
 from mdlm_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (configs/NAME.py)")
-_MESH = flags.DEFINE_multi_string("mesh", None, "target mesh, e.g. 'fsdp=256' or 'data=4,fsdp=32,tensor=2'"
+_MESH = flags.DEFINE_multi_string("mesh", None, "target mesh, e.g. 'fsdp=256', 'data=4,fsdp=32,tensor=2' or 'fsdp=8,sequence=4'"
                                   " (repeat to compare several)")
 _MEMORY = flags.DEFINE_string("device_memory", None, "memory per device, e.g. 80GiB, 95GB, 16GiB; a plan"
                               " that does not fit exits 1")
@@ -141,12 +141,16 @@ def activation_bytes(cfg, *, micro_batch: int, seq_len: int, sizes: dict, rules:
   def split(n):  # a dim sharded over tensor when it divides
     return n // tp if n % tp == 0 else n
 
-  b, L, d = micro_batch, seq_len, cfg.embed_dim
+  # Sequence parallelism: each device holds L / sequence positions of every
+  # activation, scores against all L keys and the gathered keys and values.
+  seq = sizes.get("sequence", 1)
+  b, L, d = micro_batch, seq_len // seq if seq_len % seq == 0 else seq_len, cfg.embed_dim
   h, hd, m, v = split(cfg.num_heads), cfg.resolved_head_dim, split(cfg.mlp_dim), split(cfg.vocab_size)
   n_mlp = 2 if cfg.mlp == "swiglu" else 1
   residual = b * L * d * c
-  scores = b * h * L * L * 4
-  kept = 4 * b * L * h * hd * c + scores + (n_mlp + 1) * b * L * m * c + 4 * residual
+  scores = b * h * L * seq_len * 4
+  gathered_kv = 2 * b * (seq_len - L) * split(cfg.resolved_kv_heads) * hd * c
+  kept = 4 * b * L * h * hd * c + scores + gathered_kv + (n_mlp + 1) * b * L * m * c + 4 * residual
   if cfg.remat:
     saved, backward = cfg.num_layers * residual, 2 * kept + scores
   else:
@@ -189,6 +193,7 @@ def plan_one(config, mesh_sizes: dict, *, batch: int, accum: int, rules: str, pl
   from mdlm_jax.training import trainer
   from mdlm_jax.model.spec import model_spec
   from mdlm_jax.model import ModelConfig
+  mesh_sizes = {a: mesh_sizes.get(a, 1) for a in sharding.MESH_AXES}
 
   config = config.copy_and_resolve_references()
   config.mesh.update(mesh_sizes)

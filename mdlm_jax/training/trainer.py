@@ -210,10 +210,13 @@ def check_batch_layout(config, mesh) -> None:
 
 def _same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
   cur = json.loads(current.to_json_best_effort())
+  # A field the checkpoint lacks was added after it was written: it trained with the default.
+  defaults = json.loads(config_lib.base_config().model.to_json_best_effort())
   for k, v in cur["model"].items():
-    if saved["model"].get(k) != v:
+    was = saved["model"].get(k, defaults.get(k))
+    if was != v:
       raise checkpointer.CheckpointError(
-          f"the workdir's checkpoint has model.{k}={saved['model'].get(k)!r} but the config says {v!r};"
+          f"the workdir's checkpoint has model.{k}={was!r} but the config says {v!r};"
           " use a new --workdir or the same model config")
   saved_block = saved.get("diffusion", {}).get("block_size", 0)
   if saved_block != cur["diffusion"].get("block_size", 0):

@@ -127,7 +127,7 @@ def test_mesh_shape_errors():
     sharding.mesh_shape({"data": 3, "fsdp": 1, "tensor": 1}, 4)
   with pytest.raises(ValueError, match="uses 2 devices but 4"):
     sharding.mesh_shape({"data": 2, "fsdp": 1, "tensor": 1}, 4)
-  assert sharding.mesh_shape({"data": -1, "fsdp": 1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+  assert sharding.mesh_shape({"data": -1, "fsdp": 1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "sequence": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize("rules", sorted(sharding.RULES))

@@ -26,6 +26,11 @@ def test_llada_8b_on_256_abstract_devices():
   assert "EMA params" not in p.exact  # llada_8b trains without an EMA
   assert p.analytic["activations kept for backward"] == n * 5 * 4096 * d * 2  # remat: one bf16 block input per layer
   assert p.total > 50 * 2**30
+  # Sequence parallelism over 4 devices: a quarter of the activations each.
+  q = memory_plan.plan_one(c, {"fsdp": 64, "sequence": 4}, batch=320, accum=1, rules="fsdp", platform="tpu",
+                           compile_=False)
+  assert q.lowered and q.mesh["sequence"] == 4
+  assert q.analytic["activations kept for backward"] == p.analytic["activations kept for backward"] // 4
 
 
 def test_cli_json_and_a_clear_failure_when_it_does_not_fit():
@@ -34,7 +39,8 @@ def test_cli_json_and_a_clear_failure_when_it_does_not_fit():
   r = subprocess.run(base + ["--json", "--device-memory=1GiB"], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   plans = [json.loads(line) for line in r.stdout.splitlines()]
-  assert [p["mesh"] for p in plans] == [{"data": 2, "fsdp": 2, "tensor": 1}, {"data": 1, "fsdp": 2, "tensor": 2}]
+  assert [p["mesh"] for p in plans] == [{"data": 2, "fsdp": 2, "sequence": 1, "tensor": 1},
+                                         {"data": 1, "fsdp": 2, "sequence": 1, "tensor": 2}]
   assert all(p["fits"] and p["lowered"] for p in plans)
   # Tensor parallelism halves the attention/MLP weights each device holds.
   assert plans[1]["exact"]["params (f32)"] < plans[0]["exact"]["params (f32)"]
@@ -47,6 +53,6 @@ def test_cli_json_and_a_clear_failure_when_it_does_not_fit():
   assert sv["longest_context_8_slots"] == (2**30 - sv["weights"]) // (8 * 1024)
   r = subprocess.run(base[:6] + ["--device-memory=1MiB"], capture_output=True, text=True, timeout=120)
   assert r.returncode == 1
-  assert "does not fit 1.0 MiB per device: data=2,fsdp=2,tensor=1 needs" in r.stderr
+  assert "does not fit 1.0 MiB per device: data=2,fsdp=2,sequence=1,tensor=1 needs" in r.stderr
   r = subprocess.run(base[:4] + ["--mesh=fsdp=3"], capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "batch 8 does not split" in r.stderr

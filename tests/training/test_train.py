@@ -115,6 +115,17 @@ def test_resume_rejects_a_different_model(tiny_config, tmp_path):
     trainer.train(c, str(tmp_path))
 
 
+def test_resume_reads_a_model_field_the_checkpoint_predates_as_its_default(tiny_config):
+  """A checkpoint written before a model field existed trained with its default."""
+  import json
+  saved = json.loads(tiny_config.to_json_best_effort())
+  del saved["model"]["rope_scaling"]
+  trainer._same_model(saved, tiny_config)
+  tiny_config.model.rope_scaling.update(type="linear", factor=2.0)
+  with pytest.raises(checkpointer.CheckpointError, match="model.rope_scaling"):
+    trainer._same_model(saved, tiny_config)
+
+
 def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_path):
   """train.init_from: the AR twin's weights (EMA) become step 0 of an MDLM run,
   with its tokenizer; a different network shape is refused by parameter name."""
