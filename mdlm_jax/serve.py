@@ -1,4 +1,5 @@
 """python -m mdlm_jax.serve [--checkpoint=DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--slots N]
+    [--max-context TOKENS | --kv-cache-memory 4GiB]
     [--weight-layout in_out|out_in] [--cors-origins=https://a.example,...] [--log-requests]
 
 Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
@@ -15,6 +16,7 @@ serves HTTP and the others decode in lockstep with it until it stops.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import threading
@@ -28,7 +30,16 @@ def parse(argv):
   p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MDLM_API_KEY)")
-  p.add_argument("--slots", type=int, default=8, help="requests decoded together in each forward pass")
+  p.add_argument("--slots", type=int, default=None,
+                 help="requests decoded together in each forward pass (default 8, or as many as --kv-cache-memory"
+                      " holds)")
+  p.add_argument("--max-context", type=int, default=None,
+                 help="KV-cache tokens per request: prompt (and suffix) plus max_tokens rounded up to blocks;"
+                      " longer requests get 400 context_length_exceeded (default: --max-prompt-tokens +"
+                      " --max-tokens)")
+  p.add_argument("--kv-cache-memory", default=None,
+                 help="size the slots to this much KV cache (e.g. 4GiB): as many slots of --max-context tokens"
+                      " as fit")
   p.add_argument("--mesh", default=None,
                  help="device mesh, e.g. 'data=2,tensor=2' (slots over data, params over fsdp/tensor)")
   p.add_argument("--model-id", default=None, help="the model name clients send (default: the folder name)")
@@ -55,8 +66,17 @@ def parse(argv):
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
   a = p.parse_args(argv)
-  for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes", "admit_batch"):
-    if getattr(a, name) < 1:
+  if a.slots is not None and a.kv_cache_memory is not None:
+    p.error("give --slots or --kv-cache-memory, not both")
+  if a.kv_cache_memory is not None:
+    from mdlm_jax.training.memory_plan import parse_bytes
+    try:
+      a.kv_cache_memory = parse_bytes(a.kv_cache_memory, "--kv-cache-memory")
+    except ValueError as e:
+      p.error(str(e))
+  for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes", "admit_batch",
+               "max_context"):
+    if getattr(a, name) is not None and getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   if not 0 <= a.port <= 65535:
     p.error(f"--port must be in [0, 65535], got {a.port}")
@@ -80,8 +100,8 @@ def build(a):
   from mdlm_jax.server.protocol import Limits
   mesh = None
   if a.mesh is not None:
-    axes = {"data": 1, "fsdp": 1, "tensor": 1, **a.mesh}
-    n = axes["data"] * axes["fsdp"] * axes["tensor"]
+    axes = dict(a.mesh)
+    n = math.prod(axes.values())
     if n > len(jax.devices()):
       raise ValueError(f"--mesh needs {n} devices; {len(jax.devices())} are visible")
     if jax.process_count() > 1 and n != len(jax.devices()):
@@ -95,15 +115,31 @@ def build(a):
   from mdlm_jax.sampling import presets
   bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
   max_tokens = -(-a.max_tokens // bs) * bs
-  engine = Engine(loaded, num_slots=a.slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
+  slots = a.slots or 8
+  if a.kv_cache_memory is not None:
+    slots = slots_for_memory(loaded.spec.cfg, a.kv_cache_memory, a.max_context or a.max_prompt_tokens + max_tokens,
+                             bs, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
+  engine = Engine(loaded, num_slots=slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
                   max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy,
-                  admit_batch=a.admit_batch)
+                  admit_batch=a.admit_batch, max_context=a.max_context)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))
   origins = [o.strip() for o in a.cors_origins.split(",") if o.strip()]
   return engine, create_app(engine, model_id=model_id, api_key=api_key_from_env(a.api_key), limits=limits,
                             cors_origins=origins)
+
+
+def slots_for_memory(cfg, budget: int, context: int, block_size: int, multiple: int) -> int:
+  """As many slots of `context` tokens (plus the block a pass writes past it)
+  as `budget` bytes of KV cache hold, a multiple of the mesh's row shards."""
+  from mdlm_jax.model.kv_cache import KVCache
+  per_slot = (context + block_size) * KVCache.bytes_per_token(cfg)
+  slots = budget // per_slot // multiple * multiple
+  if slots < 1:
+    raise ValueError(f"--kv-cache-memory={budget} bytes holds no slot: one slot of {context} tokens needs"
+                     f" {per_slot * multiple} bytes{f' ({multiple} row shards)' if multiple > 1 else ''}")
+  return slots
 
 
 def main(argv=None):
@@ -149,7 +185,8 @@ def main(argv=None):
   config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                           timeout_graceful_shutdown=a.shutdown_timeout)
   server = Server(config)
-  print(f"serving {app.state.server.model_id} on http://{a.host}:{a.port}/v1 ({a.slots} slots)", flush=True)
+  print(f"serving {app.state.server.model_id} on http://{a.host}:{a.port}/v1 ({engine.num_slots} slots of"
+        f" {engine.sc.context} tokens, {engine.kv_cache_bytes / 2**20:.1f} MiB of KV cache)", flush=True)
   server.run()
   engine.close(deadline_s=0)
   print("shut down", flush=True)

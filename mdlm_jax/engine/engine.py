@@ -34,6 +34,7 @@ from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
 from mdlm_jax.model.spec import decoding_pair
 from mdlm_jax.engine import slots as slots_lib
+from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling import grammar as grammar_lib
 from mdlm_jax.sampling import presets, rule
@@ -198,12 +199,18 @@ class Engine:
   `admit_batch`: the most requests admitted in one turn that share a prefill
   (`admit_groups`); each size up to it compiles once per prompt bucket (the
   server's default is 4: on a CPU a short prefill costs its dispatch more
-  than its tokens)."""
+  than its tokens).
+  `max_context`: the tokens a slot's KV cache holds for one request (prompt,
+  suffix and generation rounded up to blocks; default max_prompt +
+  max_new_tokens). A request that needs more can never run here
+  (ContextLengthExceeded); one that fits waits for a free slot. Each slot
+  reserves the whole context: `kv_cache_bytes` is slots x (context + one
+  block) x `KVCache.bytes_per_token`."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
-               admit_batch: int = 1):
+               admit_batch: int = 1, max_context: int | None = None):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
@@ -211,11 +218,15 @@ class Engine:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
       raise ValueError(f"{num_slots} slots do not divide over the mesh's data x fsdp axes")
+    context = max_context or max_prompt + max_new_tokens
+    if context < bs + 1:
+      raise ValueError(f"max_context ({context}) must hold a prompt token and a block of {bs}")
+    max_prompt = min(max_prompt, context - bs)
     few, many = decoding_pair(loaded, weight_layout)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
-    self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, max_new_tokens, tok.mask_id, tok.eos_id,
-                                   loaded.spec.cfg.vocab_size)
+    self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, min(max_new_tokens, (context - 1) // bs * bs),
+                                   tok.mask_id, tok.eos_id, loaded.spec.cfg.vocab_size, context)
     self.max_queue = max_queue
     if admit_batch < 1:
       raise ValueError(f"admit_batch must be positive, got {admit_batch}")
@@ -428,13 +439,33 @@ class Engine:
     """The decoding an effort means for this engine's model (`presets.for_model`)."""
     return presets.for_model(effort, self.sc.block_size, **overrides)
 
+  @property
+  def kv_cache_bytes(self) -> int:
+    """The KV cache every slot reserves, all slots together."""
+    return self.num_slots * self.sc.cache_len * KVCache.bytes_per_token(self.loaded.spec.cfg)
+
+  def kv_tokens_in_use(self) -> int:
+    """KV-cache tokens the requests holding slots occupy (of num_slots x context)."""
+    with self._lock:
+      return sum(self.context_needed(h.request) for h in self._slots if h is not None)
+
+  def context_needed(self, r: Request) -> int:
+    """KV-cache tokens `r` occupies: prompt, suffix and its blocks of generation."""
+    bs = self.sc.block_size
+    return len(r.prompt_ids) + len(r.suffix_ids) + -(-r.max_tokens // bs) * bs
+
   def _check(self, r: Request) -> None:
     fixed = len(r.prompt_ids) + len(r.suffix_ids)
+    what = "prompt and suffix have" if r.suffix_ids else "prompt has"
     if not r.prompt_ids or fixed > self.sc.max_prompt:
-      what = "prompt and suffix have" if r.suffix_ids else "prompt has"
       raise ContextLengthExceeded(f"the {what} {fixed} tokens; this engine takes 1 to {self.sc.max_prompt}")
     if not 1 <= r.max_tokens <= self.sc.max_new_tokens:
       raise ValueError(f"max_tokens must be in [1, {self.sc.max_new_tokens}], got {r.max_tokens}")
+    need = self.context_needed(r)
+    if need > self.sc.context:
+      raise ContextLengthExceeded(
+          f"the {what} {fixed} tokens and max_tokens={r.max_tokens} needs {need} (in blocks of"
+          f" {self.sc.block_size}); this engine's context is {self.sc.context} tokens per request")
     if r.logprobs is not None and not 0 <= r.logprobs <= slots_lib.TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {slots_lib.TOP_LOGPROBS}], got {r.logprobs}")
     smp = r.sampler

@@ -70,6 +70,14 @@ class SlotConfig:
   mask_id: int
   eos_id: int
   vocab_size: int = 0  # the model's logits (sizes the grammar bitmasks)
+  # Tokens a slot's KV cache holds for one request: prompt, suffix and the
+  # generation rounded up to blocks (0: max_prompt + max_new_tokens). Every
+  # slot reserves this much, so it is what the engine's memory is made of.
+  max_context: int = 0
+
+  @property
+  def context(self) -> int:
+    return self.max_context or self.max_prompt + self.max_new_tokens
 
   @property
   def bitmask_words(self) -> int:
@@ -78,7 +86,7 @@ class SlotConfig:
   @property
   def cache_len(self) -> int:
     # The last step writes [finished block | current block] past the region's end.
-    return self.max_prompt + self.max_new_tokens + self.block_size
+    return self.context + self.block_size
 
 
 def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:

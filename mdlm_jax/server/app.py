@@ -89,12 +89,16 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     if engine.error is not None:
       raise APIError(503, f"the engine stopped: {engine.error!r}", code="engine_error")
     return {"status": "ok", "slots": engine.num_slots, "active": engine.active_requests(),
-            "queue_depth": engine.queue_depth()}
+            "queue_depth": engine.queue_depth(), "context": engine.sc.context,
+            "kv_cache_bytes": engine.kv_cache_bytes, "kv_cache_tokens_in_use": engine.kv_tokens_in_use(),
+            "kv_cache_tokens": engine.num_slots * engine.sc.context}
 
   @app.get("/metrics")
   async def metrics():
     return PlainTextResponse(state.metrics.render(engine.queue_depth(), engine.active_requests(), engine.num_slots,
-                                                  engine.finish_reasons()),
+                                                  engine.finish_reasons(),
+                                                  (engine.kv_cache_bytes, engine.kv_tokens_in_use(),
+                                                   engine.num_slots * engine.sc.context)),
                              media_type="text/plain; version=0.0.4")
 
   @app.get("/v1/models")
@@ -218,7 +222,8 @@ def _place(state: ServerState, s: Sampling, before: str, candidates: list[str], 
     raise APIError(400, f"messages[0].content: placing an edit among {len(candidates) - 1} lines needs {need} tokens;"
                    f" this server decodes at most {engine.sc.max_new_tokens}", param="messages[0].content",
                    code="context_length_exceeded")
-  room = engine.sc.max_prompt - 8
+  bs = engine.sc.block_size
+  room = min(engine.sc.max_prompt, engine.sc.context - -(-need // bs) * bs) - 8
   suffix = engine.encode(after, add_bos=False)[:room // 4]
   prefix = engine.encode(before, add_bos=False)[-(room - len(suffix)):]
   sampler = engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
@@ -245,7 +250,7 @@ def _endpoint(request: Request) -> str:
 def _model_card(state: ServerState) -> dict:
   """OpenAI's card, with the context this server gives the model (vLLM and
   OpenRouter names): prompt plus completion, and each bound on its own."""
-  context = state.limits.max_prompt_tokens + state.limits.max_tokens
+  context = min(state.limits.max_prompt_tokens + state.limits.max_tokens, state.engine.sc.context)
   return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mdlm_jax",
           "context_length": context, "max_model_len": context, "max_prompt_tokens": state.limits.max_prompt_tokens,
           "max_completion_tokens": state.limits.max_tokens}

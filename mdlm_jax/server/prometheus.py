@@ -32,7 +32,9 @@ class Metrics:
       self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
       self.latency_sum += seconds
 
-  def render(self, queue_depth: int, active: int, slots: int, finish_reasons: dict[str, int] | None = None) -> str:
+  def render(self, queue_depth: int, active: int, slots: int, finish_reasons: dict[str, int] | None = None,
+             kv_cache: tuple[int, int, int] = (0, 0, 0)) -> str:
+    """`kv_cache`: (bytes every slot reserves, tokens in use, token capacity)."""
     with self._lock:
       lines = ["# HELP mdlm_requests_total HTTP requests by endpoint and status.",
                "# TYPE mdlm_requests_total counter"]
@@ -48,6 +50,12 @@ class Metrics:
                 "# HELP mdlm_active_requests Requests holding a slot.", "# TYPE mdlm_active_requests gauge",
                 f"mdlm_active_requests {active}",
                 "# HELP mdlm_slots Slots of the engine.", "# TYPE mdlm_slots gauge", f"mdlm_slots {slots}",
+                "# HELP mdlm_kv_cache_bytes KV cache the slots reserve.", "# TYPE mdlm_kv_cache_bytes gauge",
+                f"mdlm_kv_cache_bytes {kv_cache[0]}",
+                "# HELP mdlm_kv_cache_tokens_in_use KV-cache tokens the running requests occupy.",
+                "# TYPE mdlm_kv_cache_tokens_in_use gauge", f"mdlm_kv_cache_tokens_in_use {kv_cache[1]}",
+                "# HELP mdlm_kv_cache_tokens KV-cache tokens of all slots.", "# TYPE mdlm_kv_cache_tokens gauge",
+                f"mdlm_kv_cache_tokens {kv_cache[2]}",
                 "# HELP mdlm_finished_total Engine requests (one per choice) by how they ended.",
                 "# TYPE mdlm_finished_total counter"]
       lines += [f'mdlm_finished_total{{reason="{r}"}} {n}' for r, n in sorted((finish_reasons or {}).items())]

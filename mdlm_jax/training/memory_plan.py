@@ -53,10 +53,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--device_memory") -> int:
   m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
   if not m or m.group(2).lower() not in _UNITS:
-    raise ValueError(f"--device_memory must look like 80GiB, 95GB or 16e9 bytes, got {text!r}")
+    raise ValueError(f"{flag} must look like 80GiB, 95GB or 16e9 bytes, got {text!r}")
   return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

@@ -226,6 +226,39 @@ def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
     e.submit(_request(loaded, PROMPTS[0], max_tokens=8))
 
 
+def test_a_request_is_held_to_the_context_its_slot_reserves(loaded):
+  """max_context bounds prompt + suffix + generation (in blocks), whatever
+  each bound alone allows; the cache holds just that, and a request that fits
+  exactly decodes as the one-shot sampler does."""
+  from mdlm_jax.engine.engine import ContextLengthExceeded
+  gen = Generator(loaded)
+  prompt = gen.encode_prompt(PROMPTS[1])
+  p = len(prompt)
+  e = Engine(loaded, num_slots=2, max_prompt=32, max_new_tokens=24, block_size=8, max_context=p + 24)
+  cache = e._state.cache
+  assert e.kv_cache_bytes == cache.k.nbytes + cache.v.nbytes  # what the slots really hold
+  assert cache.k.nbytes < Engine(loaded, num_slots=2, max_prompt=32, max_new_tokens=24, block_size=8)._state.cache.k.nbytes
+  e.start()
+  try:
+    smp = ThresholdSampler(block_size=8, kv_cache=True, threshold=0.9, min_tokens=2)
+    with pytest.raises(ContextLengthExceeded, match=f"{p + 1} tokens and max_tokens=17 needs {p + 25} .*context is"
+                                                    f" {p + 24}"):
+      e.submit(Request(prompt + [prompt[-1]], 17, smp))
+    h = e.submit(Request(prompt, 24, smp, seed=3))
+    deadline = time.monotonic() + 60
+    while h.slot is None and time.monotonic() < deadline:
+      time.sleep(0.001)
+    assert e.kv_tokens_in_use() in (p + 24, 0)  # 0: already done
+    done = h.result(timeout=120)
+    want = gen.generate([PROMPTS[1]], max_new_tokens=24, seed=3, sampler=smp).completions[0]
+    assert done.text == want.text
+    assert e.kv_tokens_in_use() == 0
+  finally:
+    e.close(deadline_s=1)
+  with pytest.raises(ValueError, match="max_context"):
+    Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=24, block_size=8, max_context=8)
+
+
 @pytest.mark.slow
 def test_mesh_engine_matches_one_device(tiny_checkpoints, loaded, engine):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])

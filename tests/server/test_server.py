@@ -359,9 +359,41 @@ def test_engine_flags_reach_the_engine(tiny_checkpoints):
                                        "--grammar-policy=valid", "--admit-batch=8"]))
   assert engine.grammar_policy == "valid"
   assert engine.admit_batch == 2  # no more than the slots
-  for bad in ("--weight-layout=rows", "--admit-batch=0"):
+  for bad in ("--weight-layout=rows", "--admit-batch=0", "--max-context=0", "--kv-cache-memory=lots",
+              "--slots=2 --kv-cache-memory=1GiB"):
     with pytest.raises(SystemExit):
-      serve.parse([bad])
+      serve.parse(bad.split())
+
+
+def test_kv_cache_memory_sizes_the_slots_and_the_context_bounds_requests(tiny_checkpoints):
+  """--kv-cache-memory buys as many slots of --max-context tokens as fit; a
+  request past the context is 400 context_length_exceeded, /health and
+  /metrics account the cache."""
+  from fastapi.testclient import TestClient
+  from mdlm_jax import serve
+  from mdlm_jax.model.kv_cache import KVCache
+  base = [f"--checkpoint={tiny_checkpoints['mdlm']}", "--max-tokens=64", "--max-context=80", "--admit-batch=1"]
+  engine, _ = serve.build(serve.parse(base + ["--slots=1"]))
+  per_slot = (80 + engine.sc.block_size) * KVCache.bytes_per_token(engine.loaded.spec.cfg)
+  engine, app = serve.build(serve.parse(base + [f"--kv-cache-memory={3 * per_slot + per_slot // 2}"]))
+  assert engine.num_slots == 3 and engine.kv_cache_bytes == 3 * per_slot and engine.sc.context == 80
+  with pytest.raises(ValueError, match="holds no slot"):
+    serve.build(serve.parse(base + [f"--kv-cache-memory={per_slot - 1}"]))
+  engine.start()
+  try:
+    http = TestClient(app)
+    prompt = " ".join(["x"] * 12)  # ~24 tokens: fits the prompt bound alone, not with 64 more
+    r = http.post("/v1/completions", json={"model": app.state.server.model_id, "prompt": prompt, "max_tokens": 64})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "context is 80" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": app.state.server.model_id, "prompt": "def f", "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    health = http.get("/health").json()
+    assert (health["context"], health["kv_cache_bytes"], health["kv_cache_tokens"]) == (80, 3 * per_slot, 3 * 80)
+    assert f"mdlm_kv_cache_bytes {3 * per_slot}" in http.get("/metrics").text
+    assert http.get("/v1/models").json()["data"][0]["context_length"] == 80
+  finally:
+    engine.close(deadline_s=1)
 
 
 def test_turns_survive_the_broadcast_encoding():
