@@ -87,8 +87,11 @@ class Scorer:
       def one(tokens, valid, weights, t):
         # One row at a time under one key: a row's masks depend on neither its
         # index nor the batch's width (partitionable threefry draws by column).
-        t = None if t is None else t[None]
-        return jnp.sum(objective.per_token(model, tokens[None], key, t, valid[None])[0] * weights)
+        if t is None:
+          return jnp.sum(objective.per_token(model, tokens[None], key, None, valid[None])[0] * weights)
+        # Diffusion: only scored tokens are ever masked; the context stays in view.
+        per = objective.per_token(model, tokens[None], key, t[None], valid[None], loss_mask=(weights > 0)[None])
+        return jnp.sum(per[0] * weights)
 
       return jax.vmap(one)(tokens, valid, weights, t)
 
@@ -103,7 +106,8 @@ class Scorer:
   def __call__(self, rows: Sequence[Sequence[int]], context: Sequence[int] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
     """(NLL in nats, tokens scored) of each row. `context[i]`: row i's first
-    tokens that condition the rest but are not scored (a prompt)."""
+    tokens that condition the rest but are not scored (a prompt); a
+    diffusion model sees them unmasked, so its bound is on log p(rest | context)."""
     if not rows or min(len(r) for r in rows) == 0:
       raise ValueError("every row to score needs at least one token")
     context = [0] * len(rows) if context is None else list(context)

@@ -72,6 +72,25 @@ def test_diffusion_full_row_equals_the_objective_at_the_same_times(name):
   np.testing.assert_allclose(got[0], want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_diffusion_context_stays_in_view(name):
+  """With a context, the bound is on the rest given the context: the
+  objective's sum with only the rest ever masked (its loss_mask, tested
+  against numpy), not the whole row's terms restricted to the rest."""
+  objective = OBJECTIVES[name]
+  spec, params = spec_and_params(False, 4)
+  row, c = np.random.default_rng(4).integers(0, MASK, 64), 20  # mid-block: BD3 reads earlier blocks clean anyway
+  got, count = Scorer(spec, objective, params, time_samples=1, seed=3)([row.tolist()], [c])
+  model = bind(spec, params)
+  key, t = jax.random.fold_in(jax.random.PRNGKey(3), 0), objective.fixed_times(1, 64, 0.5)
+  rest = (np.arange(64) >= c)[None]
+  want = float(objective(model, row[None].astype(np.int32), key, t, loss_mask=rest)[0])
+  assert count[0] == 64 - c
+  np.testing.assert_allclose(got[0], want, rtol=1e-5)
+  unconditional = float(np.sum(np.asarray(objective.per_token(model, row[None].astype(np.int32), key, t)) * rest))
+  assert abs(got[0] - unconditional) > 1e-4 * abs(want)  # float32 noise is ~1e-6 of it
+
+
 def test_bad_rows_are_refused():
   spec, params = spec_and_params(True, 0)
   scorer = Scorer(spec, ARObjective(), params)
