@@ -17,7 +17,7 @@ import time
 from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, QueueFull
@@ -81,6 +81,16 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
   @app.exception_handler(Exception)
   async def internal_error(request: Request, e: Exception):
     return await api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+  @app.get("/")
+  async def playground():
+    """The playground page (static, no build step, nothing from a CDN); it
+    calls the API below with the key its user enters."""
+    return HTMLResponse(_static("playground.html"))
+
+  @app.get("/playground.js")
+  async def playground_script():
+    return Response(_static("playground.js"), media_type="text/javascript")
 
   @app.get("/health")
   async def health():
@@ -238,6 +248,11 @@ def _place(state: ServerState, s: Sampling, before: str, candidates: list[str], 
   return candidates.index(done.text)
 
 
+def _static(name: str) -> str:
+  import importlib.resources
+  return (importlib.resources.files("mdlm_jax.server") / "static" / name).read_text(encoding="utf-8")
+
+
 def _endpoint(request: Request) -> str:
   path = request.url.path
   for name, prefix in (("chat", "/v1/chat/completions"), ("fim", "/v1/fim/completions"), ("apply", "/v1/apply"),
@@ -356,9 +371,14 @@ def _single_tokens(state: ServerState, texts) -> tuple[int, ...]:
   return tuple(i[0] for i in ids if len(i) == 1)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, passes: int | None = None) -> dict:
+  """OpenAI's usage; `forward_passes`: the refinement passes that carried the
+  request's choices (a diffusion model commits several tokens in each)."""
+  out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+  if passes is not None:
+    out["forward_passes"] = passes
+  return out
 
 
 def _submit_all(state: ServerState, reqs: list[EngineRequest], want_drafts: bool):
@@ -487,6 +507,7 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
       if (err := _engine_failure(ev)) is not None:
         raise err
     completion = sum(ev.completion_tokens for ev in finals.values())
+    passes = sum(ev.passes for ev in finals.values())
     done(completion, [finals[i].finish_reason for i in range(len(reqs))])
     choices = []
     for i in range(len(reqs)):
@@ -506,7 +527,7 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
                         "finish_reason": ev.finish_reason})
     return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                          "created": created, "model": state.model_id, "choices": choices,
-                         "usage": _usage(prompt_tokens, completion)})
+                         "usage": _usage(prompt_tokens, completion, passes)})
 
   call_streams = [tools_lib.CallStream() for _ in reqs] if calls else None
   answers = [""] * len(reqs)
@@ -517,7 +538,7 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
       yield _sse(_delta_chunk(rid, state, created, i, delta))
 
   async def stream():
-    completion, reasons = 0, []
+    completion, reasons, passes = 0, [], 0
     try:
       for i in range(len(reqs)):
         if kind == "chat":
@@ -545,6 +566,7 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
             state.metrics.request(kind, err.status)
             return
           completion += ev.completion_tokens
+          passes += ev.passes
           reasons.append(ev.finish_reason)
           finish = ev.finish_reason
           if s.diffusing:  # the last draft is the answer itself (calls as written)
@@ -564,7 +586,7 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
       if s.include_usage:
         yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                     "created": created, "model": state.model_id, "choices": [],
-                    "usage": _usage(prompt_tokens, completion)})
+                    "usage": _usage(prompt_tokens, completion, passes)})
       yield "data: [DONE]\n\n"
       done(completion, reasons)
     finally:

@@ -1,0 +1,108 @@
+"""The playground page at `/`: served from the package with nothing external,
+and, in headless Chromium, a chat and an infill whose drafts sharpen on the
+page and end at the API's own answer for the same seed."""
+
+import os
+import re
+import shutil
+
+import httpx
+import pytest
+
+from tests.server.test_server import KEY, _start
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=2", "--model-id=tiny", "--admit-batch=1")
+  yield base
+  proc.kill()
+
+
+def test_the_page_and_its_script_are_served_without_anything_external(server):
+  page = httpx.get(server + "/")
+  assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+  for element in ("tab-chat", "tab-fim", "effort", "seed", "chat-input", "fim-prefix", "fim-suffix", "stats-tps",
+                  "stats-passes"):
+    assert f'id="{element}"' in page.text
+  script = httpx.get(server + "/playground.js")
+  assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+  assert "diffusing: true" in script.text
+  # No CDN: every URL the page or its script loads is this server's.
+  assert not re.findall(r"(?:src|href)=\"(?:https?:)?//", page.text)
+  assert not re.findall(r"https?://", script.text)
+
+
+def _chrome():
+  webdriver = pytest.importorskip("selenium.webdriver")
+  if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip("needs Debian's chromium and chromium-driver")
+  from selenium.webdriver.chrome.service import Service
+  options = webdriver.ChromeOptions()
+  options.binary_location = CHROMIUM
+  for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,900"):
+    options.add_argument(arg)
+  return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def _set(driver, element_id, value, event="change"):
+  driver.execute_script("const el = document.getElementById(arguments[0]); el.value = arguments[1];"
+                        " el.dispatchEvent(new Event(arguments[2]));", element_id, str(value), event)
+
+
+def _wait_done(driver, timeout=180):
+  from selenium.webdriver.support.ui import WebDriverWait
+  WebDriverWait(driver, timeout).until(
+      lambda d: d.find_element("id", "status").get_attribute("data-state") in ("done", "error"))
+  assert driver.find_element("id", "status").get_attribute("data-state") == "done"
+
+
+def test_chat_and_infill_sharpen_on_the_page_and_match_the_api(server, tmp_path):
+  import openai
+  from selenium.webdriver.support.ui import WebDriverWait
+  driver = _chrome()
+  try:
+    driver.get(server + "/")
+    _set(driver, "api-key", KEY)
+    WebDriverWait(driver, 30).until(lambda d: "tiny" in d.find_element("id", "model").text)
+    _set(driver, "effort", 1, "input")  # low
+    assert driver.find_element("id", "effort-name").text == "low"
+    for element_id, value in (("seed", 7), ("temperature", 0.8), ("max-tokens", 24)):
+      _set(driver, element_id, value)
+    # Note whether any draft showed undecided positions on its way.
+    driver.execute_script("window.sawUndecided = false; new MutationObserver(() => {"
+                          " if (document.querySelector('.undecided')) window.sawUndecided = true; })"
+                          ".observe(document.body, {subtree: true, childList: true});")
+    prompt = "Write a function that adds two numbers."
+    driver.find_element("id", "chat-input").send_keys(prompt)
+    driver.find_element("id", "chat-send").click()
+    _wait_done(driver)
+    shown = driver.execute_script("return document.querySelector('.msg.assistant').textContent")
+    assert driver.execute_script("return window.sawUndecided")
+    assert int(driver.find_element("id", "stats-passes").text) > 0
+    assert int(driver.find_element("id", "stats-drafts").text) >= 2
+    assert float(driver.find_element("id", "stats-tps").text) > 0
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    want = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], seed=7,
+                                          temperature=0.8, max_tokens=24, reasoning_effort="low")
+    assert shown == want.choices[0].message.content
+
+    driver.find_element("id", "tab-fim").click()
+    assert driver.find_element("id", "panel-chat").get_attribute("hidden") is not None
+    prefix, suffix = driver.find_element("id", "fim-prefix"), driver.find_element("id", "fim-suffix")
+    driver.find_element("id", "fim-send").click()
+    _wait_done(driver)
+    middle = driver.execute_script("return document.getElementById('fim-middle').textContent")
+    fim = httpx.post(server + "/v1/fim/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                     json={"model": "tiny", "prompt": prefix.get_attribute("value"),
+                           "suffix": suffix.get_attribute("value"), "seed": 7, "temperature": 0.8, "max_tokens": 24,
+                           "reasoning_effort": "low"}).json()
+    assert middle == fim["choices"][0]["text"]
+    shot = tmp_path / "playground.png"
+    assert driver.save_screenshot(str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(shot) > 10_000
+  finally:
+    driver.quit()
