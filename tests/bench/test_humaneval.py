@@ -52,6 +52,24 @@ def test_single_line_tasks_come_from_the_canonical_lines():
   assert he.cut_completion("    return 1\n\ndef other():\n") == "    return 1\n"
 
 
+def test_multi_line_and_random_span_tasks_cut_the_solution_where_they_say():
+  """Every task puts the solution back together; multi-line holes are runs of
+  two or more lines from a non-blank line to a non-blank line (HumanEval-
+  MultiLineInfilling), random spans are seeded (RandomSpanInfilling)."""
+  three = dict(ADD, canonical_solution="    c = a + b\n    d = c\n\n    return d\n")
+  multi = he.multi_line_tasks([three])
+  assert [t.answer for t in multi] == ["    c = a + b\n    d = c\n", "    c = a + b\n    d = c\n\n    return d\n",
+                                       "    d = c\n\n    return d\n"]
+  spans = he.random_span_tasks([three])
+  assert len(spans) == he.RANDOM_SPANS and spans == he.random_span_tasks([three])
+  assert spans != he.random_span_tasks([three], seed=1)
+  for t in multi + spans:
+    assert t.prefix + t.answer + t.suffix == three["prompt"] + three["canonical_solution"]
+    assert t.answer and he.passes(t.program(t.answer))
+  assert he.cut("multi-line", "a\nb") == "a\nb" and he.cut("single-line", "a\nb") == "a\n"
+  assert he.tasks_for("single-line", [ADD]) == he.infilling_tasks([ADD])
+
+
 def test_programs_run_alone_within_limits():
   assert he.passes("import sys\nsys.exit(0)\n")
   assert not he.passes("raise SystemExit(3)\n")
@@ -73,14 +91,34 @@ def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, ca
   he.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--cache={cache}", "--limit=3", "--infill-tokens=8",
            "--complete-tokens=16", f"--out={out}", "--json"])
   res = json.loads(out.read_text())
-  assert res["problems"] == 3 and res["infill"]["tasks"] == 2 + 2  # two lines of add, one of each other
+  assert res["problems"] == 3 and res["single-line"]["tasks"] == 2 + 2  # two lines of add, one of each other
   assert res["complete"]["tasks"] == 3
-  for mode in ("infill", "complete"):
+  for mode in ("single-line", "complete"):
     assert 0.0 <= res[mode]["pass@1"] <= 1.0 and res[mode]["samples_per_task"] == 1
 
 
+def test_length_mode_gives_each_hole_its_true_token_count(tiny_checkpoints, cache, monkeypatch):
+  """--length: each infilling request's max_tokens is its hole's tokens."""
+  from mdlm_jax import checkpoints
+  seen = []
+
+  def record(self, prefixes, suffixes, *, max_tokens, stop, seed):
+    seen.append(list(max_tokens) if not isinstance(max_tokens, int) else max_tokens)
+    return [""] * len(prefixes)
+
+  monkeypatch.setattr(he.EngineBackend, "generate", record)
+  he.main([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--cache={cache}", "--limit=2", "--length",
+           "--modes=multi-line,random-span", "--json"])
+  tok = checkpoints.load(tiny_checkpoints["mdlm"]).tokenizer
+  probs = problems()[:2]
+  for got, tasks in zip(seen, (he.multi_line_tasks(probs), he.random_span_tasks(probs))):
+    assert got == [max(1, len(tok.encode(t.answer))) for t in tasks]
+
+
 def test_flags_are_checked():
+  assert he.parse(["--modes=infill,single-line,random-span"]).modes == ["single-line", "random-span"]
   for args, needle in ([["--modes=draw"], "--modes"], [["--samples=2"], "--temperature"],
+                       [["--url=http://x", "--length"], "--length"],
                        [["--k=3"], "--k"], [["--checkpoint=a", "--url=b"], "not allowed"]):
     with pytest.raises(SystemExit):
       he.parse(args)
