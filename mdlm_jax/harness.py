@@ -4,7 +4,8 @@
         --model_args checkpoint=DIR,mc_samples=32,effort=medium --tasks TASKS [any lm_eval flag]
 
 runs lm_eval's own command line with this model registered (importing this
-module registers it for `lm_eval.simple_evaluate(model="mdlm_jax", ...)`).
+module registers it for `lm_eval.simple_evaluate(model="mdlm_jax", ...)`) and
+the offline tasks in `harness_tasks/` (`pycode_ppl`, `pycode_next_line`).
 
 - `loglikelihood`: exact for AR checkpoints; for diffusion checkpoints the
   conditional NELBO of the continuation with the context in view, as
@@ -25,6 +26,7 @@ module registers it for `lm_eval.simple_evaluate(model="mdlm_jax", ...)`).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Sequence
 
@@ -33,6 +35,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 GEN_KWARGS = ("until", "max_gen_toks", "temperature", "do_sample")
+# Offline tasks over held-out standard-library source (pycode_ppl, pycode_next_line).
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness_tasks")
 
 
 @register_model("mdlm_jax")
@@ -237,10 +241,13 @@ class MDLMJaxLM(LM):
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
-  """lm_eval's command line, with `--model mdlm_jax` available."""
+  """lm_eval's command line, with `--model mdlm_jax` and, unless
+  --include_path names another folder, this package's offline tasks."""
   from lm_eval.__main__ import cli_evaluate
-  if argv is not None:
-    sys.argv = [sys.argv[0], *argv]
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
+    argv += ["--include_path", TASKS_DIR]
+  sys.argv = [sys.argv[0], *argv]
   return cli_evaluate()
 
 

@@ -175,6 +175,30 @@ def test_simple_evaluate_runs_local_tasks_end_to_end(mdlm_lm, tmp_path):
   assert res["tiny_ppl"]["word_perplexity,none"] > 1.0 and res["tiny_ppl"]["bits_per_byte,none"] > 0
 
 
+def test_the_packaged_offline_tasks_hold_out_their_answers():
+  """pycode_next_line: the true next line among three from other files, on
+  held-out standard-library files."""
+  from mdlm_jax.harness_tasks import pycode
+  rows = pycode.next_line_docs()["test"]
+  assert len(rows) >= 20
+  for r in rows:
+    truth = r["choices"][r["answer"]]
+    assert len(set(r["choices"])) == 4 and truth.strip()
+  docs = pycode._held_out()
+  first = rows[0]
+  assert any(first["context"] + first["choices"][first["answer"]] in d for d in docs)  # the line that follows
+
+
+@pytest.mark.slow
+def test_the_packaged_offline_tasks_run(mdlm_lm):
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  out = lm_eval.simple_evaluate(model=mdlm_lm, tasks=["pycode_next_line", "pycode_ppl"], limit=2,
+                                task_manager=TaskManager(include_path=harness.TASKS_DIR))
+  assert 0.0 <= out["results"]["pycode_next_line"]["acc,none"] <= 1.0
+  assert out["results"]["pycode_ppl"]["bits_per_byte,none"] > 0
+
+
 @pytest.mark.slow
 def test_the_command_line_registers_the_model(tiny_checkpoints, tmp_path):
   tasks = _tasks(tmp_path / "tasks")

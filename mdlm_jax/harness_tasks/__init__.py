@@ -1,0 +1,1 @@
+"""lm-eval tasks that run offline (`python -m mdlm_jax.harness` includes this folder)."""
