@@ -55,6 +55,9 @@ def parse(argv):
                       " (valid: more tokens a pass, lower likelihood)")
   p.add_argument("--admit-batch", type=int, default=4,
                  help="the most waiting requests that share one prefill (each size compiles per prompt bucket)")
+  p.add_argument("--admit-wait-ms", type=float, default=20.0,
+                 help="an idle server holds its first admission up to this long while more requests are still being"
+                      " read, so a burst shares one prefill (a lone request never waits; 0: off)")
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -78,6 +81,8 @@ def parse(argv):
                "max_context"):
     if getattr(a, name) is not None and getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+  if a.admit_wait_ms < 0:
+    p.error(f"--admit-wait-ms must be >= 0, got {a.admit_wait_ms}")
   if not 0 <= a.port <= 65535:
     p.error(f"--port must be in [0, 65535], got {a.port}")
   if a.mesh is not None:
@@ -121,7 +126,7 @@ def build(a):
                              bs, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
   engine = Engine(loaded, num_slots=slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
                   max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy,
-                  admit_batch=a.admit_batch, max_context=a.max_context)
+                  admit_batch=a.admit_batch, max_context=a.max_context, admit_wait_s=a.admit_wait_ms / 1000)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))

@@ -53,9 +53,13 @@ def parse(argv):
   p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
                  help="one weight layout for the engine (default: as the server picks them)")
   p.add_argument("--admit-batch", type=int, default=4, help="the most waiting requests that share one prefill")
+  p.add_argument("--admit-wait-ms", type=float, default=20.0,
+                 help="how long an idle engine waits for requests still being read (as serve --admit-wait-ms)")
   add_output_flags(p, "bench_serve.png", "latency/throughput plot")
   a = p.parse_args(argv)
   a.concurrency = positive_ints(p, "--concurrency", a.concurrency)
+  if a.admit_wait_ms < 0:
+    p.error(f"--admit-wait-ms must be >= 0, got {a.admit_wait_ms}")
   if min(a.requests_per_client, a.slots, a.overhead_pairs, a.fim_requests, a.fim_rounds, a.admit_batch) < 1:
     p.error("--requests-per-client, --overhead-pairs, --fim-requests, --fim-rounds, --slots and --admit-batch"
             " must be positive")
@@ -101,7 +105,8 @@ def main(argv):
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
                   max_queue=max(4 * max(a.concurrency) * a.requests_per_client, 2 * a.fim_requests),
-                  weight_layout=a.weight_layout, admit_batch=a.admit_batch).warmup()
+                  weight_layout=a.weight_layout, admit_batch=a.admit_batch,
+                  admit_wait_s=a.admit_wait_ms / 1000).warmup()
   result_compute = pass_compute(engine, a.slots)
   engine.start()
   app = create_app(engine, model_id="bench",

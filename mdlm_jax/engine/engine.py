@@ -200,6 +200,10 @@ class Engine:
   (`admit_groups`); each size up to it compiles once per prompt bucket (the
   server's default is 4: on a CPU a short prefill costs its dispatch more
   than its tokens).
+  `admit_wait_s`: an idle engine holds its first admission up to this long
+  while more requests are `arriving` (announced by the server, still being
+  parsed), so a burst shares one prefill instead of its first request
+  going alone; a request that arrives by itself never waits.
   `max_context`: the tokens a slot's KV cache holds for one request (prompt,
   suffix and generation rounded up to blocks; default max_prompt +
   max_new_tokens). A request that needs more can never run here
@@ -210,7 +214,7 @@ class Engine:
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
-               admit_batch: int = 1, max_context: int | None = None):
+               admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
@@ -231,6 +235,10 @@ class Engine:
     if admit_batch < 1:
       raise ValueError(f"admit_batch must be positive, got {admit_batch}")
     self.admit_batch = min(admit_batch, num_slots)
+    if admit_wait_s < 0:
+      raise ValueError(f"admit_wait_s must be >= 0, got {admit_wait_s}")
+    self.admit_wait_s = admit_wait_s
+    self._arriving = 0
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
     self.grammar_policy = grammar_policy
@@ -444,6 +452,13 @@ class Engine:
     """The KV cache every slot reserves, all slots together."""
     return self.num_slots * self.sc.cache_len * KVCache.bytes_per_token(self.loaded.spec.cfg)
 
+  def arriving(self, delta: int) -> None:
+    """Counts requests on their way to `submit` (+1 when one starts, -1 once
+    it is submitted or has failed): what an idle engine's admission waits for."""
+    with self._lock:
+      self._arriving += delta
+      self._lock.notify_all()
+
   def kv_tokens_in_use(self) -> int:
     """KV-cache tokens the requests holding slots occupy (of num_slots x context)."""
     with self._lock:
@@ -489,6 +504,7 @@ class Engine:
             idle = not self._stop and not self._waiting and not any(self._slots)
           if idle and jax.process_count() == 1 and not self._release_next:
             continue
+          self._await_burst()
           turn = self._share(self._plan())
           self._apply(turn)
           if turn.stop:
@@ -507,6 +523,18 @@ class Engine:
       for h in handles:
         self._end(h, Event("done", "", "error"))
       raise
+
+  def _await_burst(self) -> None:
+    """From idle, give announced requests up to admit_wait_s to be submitted,
+    so they are admitted (and prefilled) together with the first."""
+    if self.admit_wait_s <= 0:
+      return
+    with self._lock:
+      if any(self._slots) or not self._waiting or not self._arriving:
+        return
+      self._lock.wait_for(lambda: self._stop or not self._arriving or len(self._waiting) >= self.admit_batch,
+                          timeout=self.admit_wait_s)
+      self.stats["admit_waits"] += 1
 
   def follow(self) -> None:
     """The loop of every process but 0 in a multi-process engine: apply the

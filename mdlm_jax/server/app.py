@@ -7,6 +7,7 @@ is an engine request sharing the engine's slots and passes.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import json
@@ -65,6 +66,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     from fastapi.middleware.cors import CORSMiddleware
     app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                        allow_headers=["Authorization", "Content-Type"])
+
+  app.add_middleware(_AnnounceArrivals, engine=engine)
 
   @app.exception_handler(APIError)
   async def api_error(request: Request, e: APIError):
@@ -381,7 +384,51 @@ def _usage(prompt_tokens: int, completion_tokens: int, passes: int | None = None
   return out
 
 
+class _Arrival:
+  """One HTTP request's place in the engine's count of arriving requests."""
+
+  def __init__(self, engine: Engine):
+    self.engine, self.pending = engine, True
+    engine.arriving(+1)
+
+  def end(self) -> None:
+    if self.pending:
+      self.pending = False
+      self.engine.arriving(-1)
+
+
+_arrival: contextvars.ContextVar[_Arrival | None] = contextvars.ContextVar("mdlm_jax_arrival", default=None)
+
+
+class _AnnounceArrivals:
+  """ASGI middleware: a generation request counts as arriving at the engine
+  until it is submitted (`_submit_all`) or answered, so an idle engine admits
+  a burst of them together (`Engine.admit_wait_s`)."""
+
+  def __init__(self, app, engine: Engine):
+    self.app, self.engine = app, engine
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+      return await self.app(scope, receive, send)
+    arrival = _Arrival(self.engine)
+    token = _arrival.set(arrival)
+    try:
+      await self.app(scope, receive, send)
+    finally:
+      arrival.end()
+      _arrival.reset(token)
+
+
 def _submit_all(state: ServerState, reqs: list[EngineRequest], want_drafts: bool):
+  try:
+    return _submit_each(state, reqs, want_drafts)
+  finally:
+    if (arrival := _arrival.get()) is not None:
+      arrival.end()
+
+
+def _submit_each(state: ServerState, reqs: list[EngineRequest], want_drafts: bool):
   handles = []
   try:
     for r in reqs:

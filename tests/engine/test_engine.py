@@ -487,6 +487,39 @@ def test_requests_admitted_together_share_prefills_and_decode_as_alone(loaded, e
   assert got == alone
 
 
+def test_an_idle_engine_waits_for_announced_requests_and_admits_them_together(loaded):
+  """Four requests announced at once, submitted over 100 ms: the first waits
+  for the others and all four share one prefill; a lone request does not wait."""
+  import threading
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8, admit_batch=4,
+             admit_wait_s=5.0).start()
+  try:
+    reqs = [_request(loaded, p, max_tokens=8, seed=i) for i, p in enumerate(("x = ", "y = [", "z = 1 +", "w = 2"))]
+    e.arriving(+4)
+    handles = [e.submit(reqs[0])]
+    e.arriving(-1)
+
+    def later():
+      time.sleep(0.1)
+      for r in reqs[1:]:
+        handles.append(e.submit(r))
+        e.arriving(-1)
+
+    t = threading.Thread(target=later)
+    t.start()
+    t.join()
+    for h in handles:
+      assert h.result(timeout=120).finish_reason in ("stop", "length")
+    assert e.stats["prefills"] == 1 and e.stats["admit_waits"] == 1
+    t0 = time.monotonic()
+    e.submit(reqs[0]).result(timeout=120)  # nothing else announced: straight in
+    assert e.stats["admit_waits"] == 1 and time.monotonic() - t0 < 5.0
+  finally:
+    e.close(deadline_s=1)
+  with pytest.raises(ValueError, match="admit_wait_s"):
+    Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=24, block_size=8, admit_wait_s=-1)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_admit_groups_cover_every_request_once_with_bounded_padding(seed):
   from mdlm_jax.engine.engine import ADMIT_TOKENS, _bucket, admit_groups, admit_sizes
