@@ -73,6 +73,7 @@ def test_diffusion_loglikelihood_is_a_seeded_bound(mdlm_lm, tiny_checkpoints):
   assert a[0] != b[0]
 
 
+@pytest.mark.slow  # engine and generator compiles; the e2e test generates through the engine
 def test_diffusion_greedy_flag_follows_the_engine(mdlm_lm):
   """is_greedy holds for the engine's own greedy tokens and fails when one differs."""
   from mdlm_jax.engine.engine import Request
@@ -87,6 +88,7 @@ def test_diffusion_greedy_flag_follows_the_engine(mdlm_lm):
   assert mdlm_lm._greedy_diffusion([(ctx, ids), (ctx, other), (ctx, ids[:3])]) == [True, False, True]
 
 
+@pytest.mark.slow  # engine and generator compiles; the e2e test generates through the engine
 def test_generate_until_honours_its_arguments_and_refuses_others(mdlm_lm, ar_lm):
   for lm in (mdlm_lm, ar_lm):
     outs = lm.generate_until([_instance("generate_until", ("def f(x):\n", {"until": ["\n"], "max_gen_toks": 12})),
