@@ -161,7 +161,7 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
   if not dense and implementation != "reference" and sequence_shards(mesh, q.shape[1], k.shape[1]) > 1:
     batch, heads = _shard_axes(mesh, q, k)
     mask = resolve(mask, causal, q.shape, k.shape)
-    return sequence_parallel_attention(q, k, v, mask, mesh=mesh, batch=batch, heads=heads, kv_heads=heads)
+    return sequence_parallel_attention(q, k, v, mask, mesh=mesh, batch=batch, heads=heads)
   if target is None or dense:
     long_cache = isinstance(mask, AttentionMask) and mask.kind == "prefix" and k.shape[1] >= CHUNKED_CACHE_FROM
     if (q.shape[1] >= CHUNKED_FROM or long_cache) and not dense and implementation != "reference":

@@ -31,13 +31,14 @@ def sequence_shards(mesh, l: int, s: int) -> int:
   return n if n > 1 and l % n == 0 and l >= n else 1
 
 
-def sequence_parallel_attention(q, k, v, mask: AttentionMask, *, mesh, batch, heads, kv_heads, causal: bool = False):
-  """`chunked_attention(q, k, v, mask)` with q's rows split over AXIS; `batch`,
-  `heads` and `kv_heads` are the mesh axes of those dimensions (or None)."""
+def sequence_parallel_attention(q, k, v, mask: AttentionMask, *, mesh, batch, heads, causal: bool = False):
+  """`chunked_attention(q, k, v, mask)` with q's rows split over AXIS; `batch`
+  and `heads` are the mesh axes of those dimensions, or None (query and
+  key/value heads split alike, so each shard keeps whole GQA groups)."""
   n = dict(mesh.shape)[AXIS]
   l = q.shape[1]
   local = l // n
-  q_spec, kv_spec = P(batch, AXIS, heads, None), P(batch, None, kv_heads, None)
+  q_spec, kv_spec = P(batch, AXIS, heads, None), P(batch, None, heads, None)
   # The per-row arrays travel as a dict (shard_map rebuilds its arguments'
   # pytrees with placeholders, which an AttentionMask's checks refuse).
   fields = {f: getattr(mask, f) for f in ("q_segment_ids", "kv_segment_ids", "kv_valid", "q_end")

@@ -74,7 +74,7 @@ class MDLMJaxLM(LM):
     self.max_length = int(max_length or self.loaded.config.data.seq_len)
     self.seed, self.effort, self.max_gen_toks, self.slots = int(seed), effort, int(max_gen_toks), int(slots)
     self.scorer = Scorer.for_model(self.loaded, time_samples=int(mc_samples), seed=self.seed)
-    self._engine = self._ar = None
+    self._engine = self._ar = self._argmax = None
 
   # -- loglikelihood ----------------------------------------------------------
 
@@ -111,15 +111,13 @@ class MDLMJaxLM(LM):
     return [(float(a), bool(b)) for a, b in zip(ll, greedy)]
 
   def _greedy_ar(self, pairs) -> list[bool]:
-    import jax
-    import jax.numpy as jnp
-    from mdlm_jax.model.spec import bind
-    spec = self.loaded.spec
-
-    @jax.jit
-    def argmax(params, tokens):
-      return jnp.argmax(bind(spec, params)(tokens), axis=-1)
-
+    if self._argmax is None:  # compiled once per row width, not once per call
+      import jax
+      import jax.numpy as jnp
+      from mdlm_jax.model.spec import bind
+      spec = self.loaded.spec
+      self._argmax = jax.jit(lambda params, tokens: jnp.argmax(bind(spec, params)(tokens), axis=-1))
+    argmax = self._argmax
     out = []
     for ctx, cont in pairs:
       row = (ctx + cont)[-self.max_length:]
