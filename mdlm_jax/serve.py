@@ -1,5 +1,5 @@
 """python -m mdlm_jax.serve [--checkpoint=DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--slots N]
-    [--max-context TOKENS | --kv-cache-memory 4GiB]
+    [--max-context TOKENS | --kv-cache-memory 4GiB] [--prefill-chunk TOKENS]
     [--weight-layout in_out|out_in] [--cors-origins=https://a.example,...] [--log-requests]
 
 Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
@@ -44,6 +44,10 @@ def parse(argv):
                  help="device mesh, e.g. 'data=2,tensor=2' (slots over data, params over fsdp/tensor)")
   p.add_argument("--model-id", default=None, help="the model name clients send (default: the folder name)")
   p.add_argument("--max-prompt-tokens", type=int, default=512)
+  p.add_argument("--prefill-chunk", type=int, default=2048,
+                 help="encode longer prompts this many tokens a turn, between the other requests' passes (chunks"
+                      " read earlier chunks and themselves: block-causal over chunks); 0: each prompt in one"
+                      " prefill")
   p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may generate")
   p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
                  help="serve from the weights in this layout only (default on CPU: out_in for passes over a few"
@@ -81,6 +85,9 @@ def parse(argv):
                "max_context"):
     if getattr(a, name) is not None and getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+  from mdlm_jax.engine.engine import MIN_PREFILL_CHUNK
+  if a.prefill_chunk < 0 or 0 < a.prefill_chunk < MIN_PREFILL_CHUNK:
+    p.error(f"--prefill-chunk must be 0 (off) or at least {MIN_PREFILL_CHUNK}, got {a.prefill_chunk}")
   if a.admit_wait_ms < 0:
     p.error(f"--admit-wait-ms must be >= 0, got {a.admit_wait_ms}")
   if not 0 <= a.port <= 65535:
@@ -126,7 +133,8 @@ def build(a):
                              bs, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
   engine = Engine(loaded, num_slots=slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
                   max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy,
-                  admit_batch=a.admit_batch, max_context=a.max_context, admit_wait_s=a.admit_wait_ms / 1000)
+                  admit_batch=a.admit_batch, max_context=a.max_context, admit_wait_s=a.admit_wait_ms / 1000,
+                  prefill_chunk=a.prefill_chunk)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))

@@ -1,7 +1,8 @@
 """Long-context prefill: time and memory against the prompt's length.
 
   python -m mdlm_jax.bench longctx [--checkpoint=DIR] [--lengths=1024,...,131072]
-      [--time-up-to=32768] [--json] [--out=F.json] [--png=F.png]
+      [--time-up-to=32768] [--beside-length=32768 --prefill-chunks=0,512,2048]
+      [--json] [--out=F.json] [--png=F.png]
 
 For each length L, the model encodes an L-token prompt into a fresh KV cache
 of L slots, as the serving engine's prefill does (`Transformer.forward_cached`
@@ -14,6 +15,15 @@ reported without running them; a program needing more than --memory-gib is
 marked as not fitting. Time is one run after compiling, for lengths up to
 --time-up-to that fit. Reported per length: seconds, GiB, and bytes per
 context token (flat when memory is linear in the length).
+
+Then, in the serving engine: what one --beside-length prompt adds to the
+latency of --short-requests short requests decoding beside it, for each
+--prefill-chunks setting (0: the prompt in one prefill). The short requests
+are submitted first and the long one right after them; each setting runs
+the scene once to compile and once timed, and the short requests alone
+give the baseline. Reported: their mean latency alone and beside the long
+prompt (the difference is what it adds), and the long request's own time
+to its first block.
 """
 
 from __future__ import annotations
@@ -36,11 +46,23 @@ def parse(argv):
   p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt lengths in tokens")
   p.add_argument("--time-up-to", type=int, default=32768, help="time prefills up to this length (0: none)")
   p.add_argument("--memory-gib", type=float, default=24.0, help="what fits: this machine's memory")
+  p.add_argument("--beside-length", type=int, default=32768,
+                 help="engine: a prompt this long arrives beside short requests (0: skip)")
+  p.add_argument("--prefill-chunks", default="0,512,2048", help="engine prefill_chunk settings (0: off)")
+  p.add_argument("--short-requests", type=int, default=3, help="short requests decoding beside it")
+  p.add_argument("--short-tokens", type=int, default=64, help="their prompt and generation lengths")
+  p.add_argument("--effort", default="medium", help="their decoding effort")
   add_output_flags(p, "bench_longctx.png", "time and memory against length")
   a = p.parse_args(argv)
   a.lengths = positive_ints(p, "--lengths", a.lengths)
   if a.time_up_to < 0 or a.memory_gib <= 0:
     p.error("--time-up-to must be >= 0 and --memory-gib positive")
+  try:
+    a.prefill_chunks = [int(x) for x in a.prefill_chunks.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--prefill-chunks must be comma-separated integers, got {a.prefill_chunks!r}")
+  if a.beside_length < 0 or a.short_requests < 1 or a.short_tokens < 1 or any(c < 0 for c in a.prefill_chunks):
+    p.error("--beside-length and --prefill-chunks must be >= 0, --short-requests and --short-tokens >= 1")
   return a
 
 
@@ -81,11 +103,56 @@ def measure(loaded, attention: str, length: int, a) -> dict:
   return out
 
 
+def beside(loaded, chunk: int, a) -> dict:
+  """The engine scene: short requests, then one long prompt (see the module doc)."""
+  import numpy as np
+  from mdlm_jax.engine.engine import Engine, Request
+  rng = np.random.default_rng(0)
+  tok = loaded.tokenizer
+  specials = {tok.bos_id, tok.eos_id, tok.mask_id, tok.pad_id}
+  ordinary = np.asarray([i for i in range(tok.vocab_size) if i not in specials], np.int32)
+  shorts = [[tok.bos_id] + rng.choice(ordinary, a.short_tokens - 1).tolist() for _ in range(a.short_requests)]
+  long = [tok.bos_id] + rng.choice(ordinary, a.beside_length - 1).tolist()
+  from mdlm_jax.sampling import presets
+  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+  e = Engine(loaded, num_slots=a.short_requests + 1, max_prompt=a.beside_length,
+             max_new_tokens=-(-a.short_tokens // bs) * bs, prefill_chunk=chunk)
+  smp = e.sampler_for(a.effort)
+
+  def scene(with_long: bool):
+    t0 = time.perf_counter()
+    handles = [e.submit(Request(p, a.short_tokens, smp, seed=i)) for i, p in enumerate(shorts)]
+    lh = e.submit(Request(long, bs, smp)) if with_long else None
+    ends = []
+    for h in handles:
+      h.result(timeout=3600)
+      ends.append(time.perf_counter() - t0)
+    long_s = None
+    if lh is not None:
+      lh.result(timeout=3600)
+      long_s = time.perf_counter() - t0
+    return float(np.mean(ends)), long_s
+
+  e.start()
+  try:
+    for with_long in (False, True):  # compile every program the scene runs
+      scene(with_long)
+    alone, _ = scene(False)
+    mean, long_s = scene(True)
+  finally:
+    e.close(deadline_s=1)
+  return {"prefill_chunk": chunk, "long_prompt": a.beside_length, "short_requests": a.short_requests,
+          "short_tokens": a.short_tokens, "short_latency_alone_s": alone, "short_latency_beside_s": mean,
+          "added_s": mean - alone, "long_first_block_s": long_s, "prefill_chunks_run": e.stats["prefill_chunks"]}
+
+
 def plot(result: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+  scenes = result.get("beside", [])
+  fig, axes = plt.subplots(1, 3 if scenes else 2, figsize=(16 if scenes else 11, 4))
+  ax_t, ax_m = axes[:2]
   for attention in ATTENTIONS:
     rows = [r for r in result["runs"] if r["attention"] == attention]
     timed = [r for r in rows if r["seconds"] is not None]
@@ -99,6 +166,13 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel(ylabel)
     ax.legend()
+  if scenes:
+    ax = axes[2]
+    labels = [f"chunk {r['prefill_chunk']}" if r["prefill_chunk"] else "one prefill" for r in scenes]
+    ax.bar(labels, [r["added_s"] for r in scenes])
+    ax.set_ylabel("seconds added to short requests")
+    ax.set_title(f"a {scenes[0]['long_prompt']:,}-token prompt beside {scenes[0]['short_requests']} short requests",
+                 fontsize=9)
   fig.suptitle(f"prefill against length: {result['checkpoint']}")
   fig.tight_layout()
   save_figure(fig, path)
@@ -123,6 +197,14 @@ def main(argv):
       secs = "not timed" if r["seconds"] is None else f"{r['seconds']:.2f} s"
       print(f"{attention:>9} L={length:>6}: {r['gib']:8.2f} GiB ({r['bytes_per_token'] / 1024:.1f} KiB/token), "
             f"{'fits' if r['fits'] else 'does not fit'}, {secs}", file=sys.stderr, flush=True)
+  if a.beside_length:
+    result["beside"] = []
+    for chunk in a.prefill_chunks:
+      r = beside(loaded, chunk, a)
+      result["beside"].append(r)
+      print(f"prefill_chunk={chunk}: short requests {r['short_latency_alone_s']:.2f} s alone, "
+            f"{r['short_latency_beside_s']:.2f} s beside a {a.beside_length}-token prompt (+{r['added_s']:.2f} s);"
+            f" its first block {r['long_first_block_s']:.2f} s", file=sys.stderr, flush=True)
   finish(result, a, plot)
 
 

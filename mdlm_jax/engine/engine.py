@@ -103,7 +103,10 @@ class Event:
 @dataclasses.dataclass
 class Turn:
   """The device work of one engine turn, in order: free `release` rows,
-  admit `admits` [(row, request, key data)], write the host's commits for
+  admit `admits` [(row, request, key data, start, stop)] (the request's
+  fixed row [start, stop) is encoded: the whole of it, or with chunked
+  prefill one chunk; start 0 resets the slot, stop at the row's end starts
+  its decoding), write the host's commits for
   constrained rows `guides` [(row, tokens from the old cursor, new cursor,
   bitmask, how many of the tokens the last pass proposed)], then run one
   pass over the first `rows` slots (none when 0), `guided` when a
@@ -111,7 +114,7 @@ class Turn:
   `stop` ends every process's loop."""
   stop: bool = False
   release: list[int] = dataclasses.field(default_factory=list)
-  admits: list[tuple[int, Request, np.ndarray]] = dataclasses.field(default_factory=list)
+  admits: list[tuple[int, Request, np.ndarray, int, int]] = dataclasses.field(default_factory=list)
   guides: list[tuple[int, list[int], int, np.ndarray, int]] = dataclasses.field(default_factory=list)
   rows: int = 0
   with_head: bool = False
@@ -139,6 +142,16 @@ class Handle:
     self.blocks_seen = -1  # finished blocks at the last publish
     self.constraint: grammar_lib.Constraint | None = None
     self.logprobs_sent = 0  # tokens whose log-probabilities went out
+    # Prefill progress: tokens of the request's fixed row sent to the device,
+    # of `fixed_len` (a chunked prefill sends one chunk a turn).
+    self.prefilled = 0
+    self.fixed_len = len(request.prompt_ids) + len(request.suffix_ids)
+    self.key: np.ndarray | None = None
+
+  @property
+  def prefilling(self) -> bool:
+    """Holds a slot whose prompt is not all encoded yet (no passes)."""
+    return self.slot is not None and self.prefilled < self.fixed_len
 
   def add_listener(self, fn: Callable[[], None]) -> None:
     """`fn()` is called (from the engine thread) whenever an event arrives."""
@@ -209,12 +222,19 @@ class Engine:
   max_new_tokens). A request that needs more can never run here
   (ContextLengthExceeded); one that fits waits for a free slot. Each slot
   reserves the whole context: `kv_cache_bytes` is slots x (context + one
-  block) x `KVCache.bytes_per_token`."""
+  block) x `KVCache.bytes_per_token`.
+  `prefill_chunk`: prompts (with suffix) longer than this many tokens are
+  encoded this many a turn, each turn's refinement pass for the other slots
+  in between, so a long prompt delays the others by a chunk a pass rather
+  than by its whole prefill (0: every prompt in one prefill). A chunk reads
+  the chunks before it and itself: a prompt longer than a chunk is encoded
+  block-causally in chunks rather than all bidirectionally (docs/serving.md)."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
-               admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0):
+               admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
+               prefill_chunk: int = 0):
     if loaded.spec.cfg.causal:
       raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
     bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
@@ -238,6 +258,10 @@ class Engine:
     if admit_wait_s < 0:
       raise ValueError(f"admit_wait_s must be >= 0, got {admit_wait_s}")
     self.admit_wait_s = admit_wait_s
+    if prefill_chunk < 0 or 0 < prefill_chunk < MIN_PREFILL_CHUNK:
+      raise ValueError(f"prefill_chunk must be 0 (off) or at least {MIN_PREFILL_CHUNK} tokens, got {prefill_chunk}")
+    # Off when no prompt this engine takes is longer than a chunk.
+    self.prefill_chunk = prefill_chunk if 0 < prefill_chunk < max_prompt else 0
     self._arriving = 0
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
@@ -311,20 +335,27 @@ class Engine:
     if self._thread is not None:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
-      for bucket in sorted({_bucket(n, self.sc.max_prompt) for n in range(1, self.sc.max_prompt + 1)}):
-        for k in admit_sizes(bucket, self.admit_batch):
+      for bucket in self._prefill_buckets():
+        sizes = [(k, False) for k in admit_sizes(bucket, self.admit_batch)]
+        for k, resume in sizes + ([(1, True)] if self.prefill_chunk else []):
           model, admit, _ = self._programs_for(k * bucket)
           ones = np.ones((k,), np.int32)
           self._state = admit(model.params, self._state, np.arange(k, dtype=np.int32),
                               np.full((k, bucket), self.tok.pad_id, np.int32),
                               np.broadcast_to(np.arange(bucket, dtype=np.int32), (k, bucket)), ones, ones, ones,
-                              rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32))
+                              rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32),
+                              np.ones((k,), bool), resume=resume)
           self._deactivate(range(k))
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
           self._run_pass(rows, with_head)
       jax.block_until_ready(self._state)
     return self
+
+  def _prefill_buckets(self) -> list[int]:
+    """The padded lengths a prefill (or a prefill's chunk) can have."""
+    cap = self.prefill_chunk or self.sc.max_prompt
+    return sorted({_bucket(n, cap) for n in range(1, cap + 1)})
 
   def pass_rows(self, busy: int) -> int:
     """How many slots a pass covers when slots [0, busy) hold requests."""
@@ -576,17 +607,27 @@ class Engine:
         self._slots[row] = h
         self._head[row] = False
       h.slot = row
-      key = np.asarray(jax.random.key_data(jax.random.key(h.request.seed)), np.uint32)
-      turn.admits.append((row, h.request, key))
+      h.key = np.asarray(jax.random.key_data(jax.random.key(h.request.seed)), np.uint32)
+      if not self.prefill_chunk or h.fixed_len <= self.prefill_chunk:
+        turn.admits.append((row, h.request, h.key, 0, h.fixed_len))
+        h.prefilled = h.fixed_len
       self.stats["admitted"] += 1
       if h.want_drafts:
         h._push(Event("draft", MASK_TEXT * h.request.max_tokens))
-    admitted = {row for row, _, _ in turn.admits}
+    # One chunk of the longest-waiting chunked prefill a turn.
+    chunked = [h for h in self._slots if h is not None and h.prefilling and not h.cancelled]
+    if chunked:
+      h = min(chunked, key=lambda h: h.id)
+      stop = min(h.prefilled + self.prefill_chunk, h.fixed_len)
+      turn.admits.append((h.slot, h.request, h.key, h.prefilled, stop))
+      h.prefilled = stop
+      self.stats["prefill_chunks"] += 1
+    admitted = {row for row, _, _, _, stop in turn.admits if stop == self._slots[row].fixed_len}
     turn.guides = [g for row, h in enumerate(self._slots)
-                   if h is not None and h.constraint is not None and not h.cancelled
+                   if h is not None and h.constraint is not None and not h.cancelled and not h.prefilling
                    for g in [self._constrain(row, h, row in admitted)] if g is not None]
     self._guided_view = None
-    busy = [i for i, h in enumerate(self._slots) if h is not None]
+    busy = [i for i, h in enumerate(self._slots) if h is not None and not h.prefilling]
     if busy:
       turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy)
       turn.guided = any(self._slots[i].constraint is not None for i in busy)
@@ -634,10 +675,17 @@ class Engine:
   def _apply(self, turn: Turn) -> None:
     """The turn's device work; every process runs exactly this."""
     self._deactivate(turn.release)
-    rows_of = [r.fixed_row() for _, r, _ in turn.admits]
-    buckets = [_bucket(len(tokens), self.sc.max_prompt) for tokens, _ in rows_of]
+    rows_of = [tuple(a[start:stop] for a in r.fixed_row()) for _, r, _, start, stop in turn.admits]
+    resumed = [start > 0 for _, _, _, start, _ in turn.admits]
+    last = [stop == len(r.prompt_ids) + len(r.suffix_ids) for _, r, _, _, stop in turn.admits]
+    cap = self.prefill_chunk or self.sc.max_prompt
+    buckets = [_bucket(len(tokens), cap) for tokens, _ in rows_of]
     ints = lambda values: np.asarray(list(values), np.int32)  # noqa: E731
-    for bucket, group in admit_groups(buckets, self.admit_batch):
+    fresh = admit_groups([b for b, r in zip(buckets, resumed) if not r], self.admit_batch)
+    index = [i for i, r in enumerate(resumed) if not r]
+    groups = [(bucket, [index[j] for j in group], False) for bucket, group in fresh]
+    groups += [(buckets[i], [i], True) for i, r in enumerate(resumed) if r]  # a slot's next chunk: alone
+    for bucket, group, resume in groups:
       k = len(group)
       fixed = np.full((k, bucket), self.tok.pad_id, np.int32)
       pos = np.zeros((k, bucket), np.int32)
@@ -651,7 +699,8 @@ class Engine:
       self._state = admit(model.params, self._state, ints(turn.admits[i][0] for i in group), fixed, pos,
                           ints(len(rows_of[i][0]) for i in group), ints(len(r.prompt_ids) for r in requests),
                           ints(-(-r.max_tokens // self.sc.block_size) for r in requests), decoding,
-                          np.stack([turn.admits[i][2] for i in group]))
+                          np.stack([turn.admits[i][2] for i in group]), np.asarray([last[i] for i in group]),
+                          resume=resume)
     if turn.rows:
       self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides)
 
@@ -747,7 +796,7 @@ class Engine:
     self._head = head & active
     bs = self.sc.block_size
     for row, h in enumerate(self._slots):
-      if h is None:
+      if h is None or h.prefilling:
         continue
       if not h.want_drafts and active[row] and int(block[row]) == h.blocks_seen:
         continue  # no block finished since the last pass: no new text, no end
@@ -820,6 +869,7 @@ def _bucket(n: int, cap: int) -> int:
 
 
 ADMIT_TOKENS = 512  # the most token rows one batched prefill holds
+MIN_PREFILL_CHUNK = 16  # the smallest prompt bucket
 
 
 def admit_sizes(bucket: int, admit_batch: int) -> list[int]:
@@ -876,7 +926,7 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   n = sc.num_slots
   out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides),
                              turn.logprobs], np.int32),
-         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 5), np.int32),
+         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 7), np.int32),
          "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
          "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
          "guide_tokens": np.zeros((n, sc.block_size), np.int32),
@@ -886,8 +936,8 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
     out["guide_ints"][i] = (row, len(tokens), cursor, proposed)
     out["guide_tokens"][i, :len(tokens)] = tokens
     out["guide_allowed"][i] = allowed
-  for i, (row, r, key) in enumerate(turn.admits):
-    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids))
+  for i, (row, r, key, start, stop) in enumerate(turn.admits):
+    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids), start, stop)
     out["floats"][i] = [getattr(r.sampler, f) for f in _SETTINGS]
     out["keys"][i] = key
     ids = list(r.prompt_ids) + list(r.suffix_ids)
@@ -901,13 +951,13 @@ def _decode(a: dict[str, np.ndarray], sc) -> Turn:
   stop, n_admits, rows, with_head, guided, n_guides, logprobs = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
-    row, plen, max_tokens, min_tokens, slen = (int(v) for v in a["ints"][i])
+    row, plen, max_tokens, min_tokens, slen, start, end = (int(v) for v in a["ints"][i])
     threshold, temperature, top_p = (float(v) for v in a["floats"][i])
     sampler = ThresholdSampler(block_size=sc.block_size, kv_cache=True, threshold=threshold, min_tokens=min_tokens,
                                temperature=temperature, top_p=top_p)
     admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
                                 suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
-                   a["keys"][i].astype(np.uint32)))
+                   a["keys"][i].astype(np.uint32), start, end))
   guides = [(int(row), a["guide_tokens"][i, :int(k)].tolist(), int(cursor), a["guide_allowed"][i], int(proposed))
             for i, (row, k, cursor, proposed) in enumerate(a["guide_ints"][:n_guides])]
   return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, guides=guides,

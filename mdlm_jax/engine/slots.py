@@ -106,7 +106,8 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
 
 def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array, "k"], fixed: Int[Array, "k p"],
           positions: Int[Array, "k p"], n_fixed: Int[Array, "k"], gen_position: Int[Array, "k"],
-          n_blocks: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array) -> Slots:
+          n_blocks: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array,
+          last: Bool[Array, "k"] | None = None, resume: bool = False) -> Slots:
   """Resets slots `rows` and encodes each `fixed[i, :n_fixed[i]]` (the prompt,
   after the suffix when infilling) at `positions[i]` into its cache row, all
   in one forward: on a CPU a prefill's fixed cost outweighs its tokens' until
@@ -114,28 +115,39 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
   generation region starts at RoPE position `gen_position[i]`; `decoding`
   and `key_data` hold the requests' settings and keys (k rows). A row equal
   to num_slots is padding: its results are dropped. A constrained request's
-  first `guide` follows."""
+  first `guide` follows.
+
+  Chunked prefill: a long prompt arrives as consecutive pieces, one call
+  each. With `resume` (static) the pieces are appended to what the rows'
+  caches already hold (each reads the earlier pieces and itself); a row
+  starts decoding only after its `last` piece (until then passes leave it
+  alone). By default every row is a whole prompt."""
   model = bind(spec, params)
   c = slots.cache
   k, p = fixed.shape
-  fresh = KVCache(k=jnp.zeros((c.k.shape[0], k, *c.k.shape[2:]), c.k.dtype),
-                  v=jnp.zeros((c.v.shape[0], k, *c.v.shape[2:]), c.v.dtype),
-                  valid=jnp.zeros((k, c.max_len), bool), length=jnp.zeros((k,), jnp.int32),
-                  last_hidden=jnp.zeros((k, c.last_hidden.shape[1]), c.last_hidden.dtype))
+  last = jnp.ones((k,), bool) if last is None else last
+  # A resumed row starts from its cache row; a new one from nothing.
+  if resume:
+    row_of = lambda x, axis=0: jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)  # noqa: E731
+  else:
+    row_of = lambda x, axis=0: jnp.zeros(x.shape[:axis] + (k,) + x.shape[axis + 1:], x.dtype)  # noqa: E731
+  base = KVCache(k=row_of(c.k, 1), v=row_of(c.v, 1), valid=row_of(c.valid), length=row_of(c.length),
+                 last_hidden=row_of(c.last_hidden))
   valid_new = jnp.arange(p)[None] < n_fixed[:, None]
   t = jnp.zeros((k,), jnp.float32) if spec.cfg.time_conditioning else None
-  _, new = model.forward_cached(fixed, positions, fresh, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
+  _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
   put = lambda x, v, axis=0: (x.at[:, rows] if axis else x.at[rows]).set(  # noqa: E731
       jnp.broadcast_to(jnp.asarray(v, x.dtype), (x.shape[0], k, *x.shape[2:]) if axis else (k, *x.shape[1:])),
       mode="drop")
   cache = c.replace(k=put(c.k, new.k, 1), v=put(c.v, new.v, 1), valid=put(c.valid, new.valid),
                     length=put(c.length, new.length), last_hidden=put(c.last_hidden, new.last_hidden))
+  passes = jnp.take(slots.passes, rows, mode="fill", fill_value=0) + 1 if resume else 1
   return slots.replace(
       cache=cache, gen=put(slots.gen, sc.mask_id), prompt_len=put(slots.prompt_len, gen_position),
       block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, False),
-      active=put(slots.active, True), n_blocks=put(slots.n_blocks, n_blocks),
+      active=put(slots.active, last), n_blocks=put(slots.n_blocks, n_blocks),
       decoding=jax.tree.map(put, slots.decoding, decoding), key=put(slots.key, key_data),
-      passes=put(slots.passes, 1), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
+      passes=put(slots.passes, passes), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
       proposed=put(slots.proposed, False))
 
 
@@ -340,5 +352,5 @@ def compile_programs(spec: ModelSpec, sc: SlotConfig):
       state = guide(sc, state, *guides)
     return step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs)
 
-  return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,)),
+  return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,), static_argnames=("resume",)),
           jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs")))

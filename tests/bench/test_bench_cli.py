@@ -87,7 +87,14 @@ def test_bench_kernels_on_cpu_checks_numerics():
 
 def test_bench_longctx(tiny_checkpoints, tmp_path):
   out = _bench("longctx", f"--checkpoint={tiny_checkpoints['mdlm']}", "--lengths=256,1024", "--time-up-to=256",
+               "--beside-length=200", "--prefill-chunks=0,64", "--short-requests=2", "--short-tokens=16",
                tmp_path=tmp_path)
+  scenes = {r["prefill_chunk"]: r for r in out["beside"]}
+  assert set(scenes) == {0, 64}
+  assert scenes[64]["prefill_chunks_run"] == 2 * 4 and scenes[0]["prefill_chunks_run"] == 0  # 4 chunks, twice
+  for r in scenes.values():
+    assert r["added_s"] == pytest.approx(r["short_latency_beside_s"] - r["short_latency_alone_s"])
+    assert r["long_first_block_s"] > 0
   runs = {(r["attention"], r["length"]): r for r in out["runs"]}
   assert set(runs) == {(a, n) for a in ("xla", "reference") for n in (256, 1024)}
   for (attention, n), r in runs.items():

@@ -535,3 +535,64 @@ def test_admit_groups_cover_every_request_once_with_bounded_padding(seed):
   assert admit_groups([512, 16], 8) == [(512, [0]), (16, [1])]
   assert [len(g) for _, g in admit_groups([64, 16, 48, 64], 4)] == [2, 1, 1]
   assert admit_sizes(96, 8) == [1, 2, 4] and admit_sizes(512, 8) == [1]
+
+
+def _first_block_logprobs(loaded, prompt, bs, chunk):
+  """Float64 log-softmax ([MASK] excluded) of the first block's logits, all
+  [MASK], from the uncached forward: prompt rows read the prompt up to the end
+  of their chunk (all of it when `chunk` is None), block rows read everything."""
+  from mdlm_jax import kernels
+  from mdlm_jax.model.spec import bind
+  p = len(prompt)
+  tokens = np.asarray([list(prompt) + [loaded.tokenizer.mask_id] * bs], np.int32)
+  rows = np.arange(p + bs)
+  q_end = np.where(rows < p, p if chunk is None else np.minimum((rows // (chunk or 1) + 1) * (chunk or 1), p), p + bs)
+  mask = kernels.AttentionMask(kind="prefix", q_end=jax.numpy.asarray(q_end[None], np.int32))
+  logits = np.asarray(bind(loaded.spec, loaded.params)(tokens, mask=mask), np.float64)[0, p:]
+  logits[:, loaded.tokenizer.mask_id] = -np.inf
+  return logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+
+
+def test_chunked_prefill_reads_earlier_chunks_and_lets_others_decode_meanwhile(loaded):
+  """A prompt longer than prefill_chunk is encoded a chunk a turn: its first
+  block's distribution is the uncached model's with the prompt read
+  chunk-causally (and, unchunked, bidirectionally: the reference tells the
+  two apart), and a short request admitted beside it finishes before the
+  long prompt's last chunk."""
+  bs, chunk = 8, 16
+  gen = Generator(loaded)
+  long_prompt = gen.encode_prompt("import os\nimport sys\n" * 12)[:90]
+  smp = ThresholdSampler(block_size=bs, kv_cache=True, threshold=1.0, min_tokens=bs)
+  results = {}
+  for c in (chunk, 0):
+    e = Engine(loaded, num_slots=2, max_prompt=96, max_new_tokens=bs, block_size=bs, prefill_chunk=c)
+    long = e.submit(Request(long_prompt, bs, smp, logprobs=5, stop=()))
+    short = e.submit(Request(gen.encode_prompt(PROMPTS[0]), bs, smp))
+    chunks_when_short_ended = []
+    short.add_listener(lambda: chunks_when_short_ended.append(e.stats["prefill_chunks"]) if short.finished else None)
+    e.start()
+    try:
+      entries = [x for ev in long.events(timeout=120) for x in ev.logprobs or []]
+      short.result(timeout=120)
+    finally:
+      e.close(deadline_s=1)
+    assert entries, "the long request returned no tokens to compare"
+    results[c] = entries, chunks_when_short_ended[0], e.stats["prefill_chunks"]
+  n_chunks = -(-len(long_prompt) // chunk)
+  assert results[chunk][2] == n_chunks and results[0][2] == 0
+  assert results[chunk][1] < n_chunks  # the short request did not wait for the whole prefill
+  for c, ref_chunk in ((chunk, chunk), (0, None)):
+    want = _first_block_logprobs(loaded, long_prompt, bs, ref_chunk)
+    for j, (tok, logp, alts) in enumerate(results[c][0]):
+      np.testing.assert_allclose(logp, want[j, tok], atol=2e-4)
+      np.testing.assert_allclose([v for _, v in alts], np.sort(want[j])[::-1][:5], atol=2e-4)
+  other = _first_block_logprobs(loaded, long_prompt, bs, None)
+  assert max(abs(lp - other[j, t]) for j, (t, lp, _) in enumerate(results[chunk][0])) > 1e-3
+
+
+def test_prefill_chunk_is_checked(loaded):
+  with pytest.raises(ValueError, match="prefill_chunk"):
+    Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=8, block_size=8, prefill_chunk=4)
+  # Off when no prompt is longer than a chunk.
+  assert Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=8, block_size=8, prefill_chunk=64).prefill_chunk == 0

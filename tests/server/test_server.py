@@ -356,11 +356,12 @@ def test_engine_flags_reach_the_engine(tiny_checkpoints):
     assert engine.loaded.spec.cfg.weight_layout == layout
     assert engine.grammar_policy == "bridge"
   engine, _ = serve.build(serve.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", "--slots=2", "--max-tokens=16",
-                                       "--grammar-policy=valid", "--admit-batch=8"]))
+                                       "--grammar-policy=valid", "--admit-batch=8", "--prefill-chunk=64"]))
   assert engine.grammar_policy == "valid"
   assert engine.admit_batch == 2  # no more than the slots
+  assert engine.prefill_chunk == 64
   for bad in ("--weight-layout=rows", "--admit-batch=0", "--max-context=0", "--kv-cache-memory=lots",
-              "--slots=2 --kv-cache-memory=1GiB"):
+              "--slots=2 --kv-cache-memory=1GiB", "--prefill-chunk=8", "--prefill-chunk=-1"):
     with pytest.raises(SystemExit):
       serve.parse(bad.split())
 
@@ -408,8 +409,8 @@ def test_turns_survive_the_broadcast_encoding():
   sampler = ThresholdSampler(threshold=0.7, min_tokens=2, temperature=0.5, top_p=0.9, block_size=8, kv_cache=True)
   admits = [(row, Request(rng.integers(0, 100, size=n).tolist(), 24, sampler, seed=10 ** 12, stop=("x",),
                           suffix_ids=rng.integers(0, 100, size=s).tolist()),
-             rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32))
-            for row, n, s in ((2, 16, 0), (0, 1, 5))]
+             rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32), start, stop)
+            for row, n, s, start, stop in ((2, 16, 0, 8, 16), (0, 1, 5, 0, 6))]
   guides = [(1, rng.integers(0, 100, size=3).tolist(), 11, rng.integers(0, 2 ** 32, size=4, dtype=np.uint64)
              .astype(np.uint32), 2), (3, [], 0, np.zeros(4, np.uint32), 0)]
   turn = Turn(release=[1, 3], admits=admits, guides=guides, rows=4, with_head=True, guided=True, logprobs=True)
@@ -420,7 +421,8 @@ def test_turns_survive_the_broadcast_encoding():
                                                                                      strict=True):
     assert (row2, tokens2, cursor2, n2) == (row, tokens, cursor, n)
     np.testing.assert_array_equal(allowed2, allowed)
-  for (row, r, key), (row2, r2, key2) in zip(turn.admits, back.admits, strict=True):
+  for (row, r, key, *span), (row2, r2, key2, *span2) in zip(turn.admits, back.admits, strict=True):
+    assert span2 == span  # the chunk of the prompt this turn encodes
     assert row2 == row and list(r2.prompt_ids) == list(r.prompt_ids) and r2.max_tokens == r.max_tokens
     assert list(r2.suffix_ids) == list(r.suffix_ids)
     a, b = r.sampler, r2.sampler
