@@ -7,7 +7,9 @@ Implementations:
 - "xla": plain XLA, everywhere: the reference for a few queries (decoding),
   and from CHUNKED_FROM queries (or a KV cache of CHUNKED_CACHE_FROM slots)
   the chunked online-softmax attention, whose memory grows linearly with the
-  sequence (forward and backward).
+  sequence (forward and backward). `cache_attention` reads a long KV cache
+  in its stored layout, in place, so a decoding pass costs the filled
+  prefix, not a copy of the whole buffer.
 - "pallas": the Pallas kernel for the running backend on GPU (Triton) and TPU
   (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
@@ -29,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from mdlm_jax.kernels.attention_reference import attention_reference
-from mdlm_jax.kernels.chunked_attention import chunked_attention
+from mdlm_jax.kernels.chunked_attention import chunked_attention, chunked_cache_attention
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
@@ -176,6 +178,27 @@ def attention(q, k, v, *, causal=False, mask=None, implementation="xla", block_s
   return _per_shard(run, q, k, v, mask)
 
 
+def cache_attention(q, k_cache, v_cache, *, layer=None, causal: bool = False,
+                    mask: "AttentionMask | None" = None, implementation="xla", block_sizes: BlockSizes | None = None):
+  """`attention` of new queries over a KV cache as it is stored: keys
+  [b, g, d, s], values [b, g, s, d], or every layer's ([n, ...], `KVCache.k`
+  and `.v`) with `layer` the one to read. Where the chunked attention would
+  read a long cache, it reads these buffers in place, up to the filled
+  prefix's last tile; otherwise `attention` over [b, s, g, d] views of the
+  layer."""
+  mesh = jax.sharding.get_abstract_mesh()
+  s = v_cache.shape[-2]
+  in_place = (not causal and isinstance(mask, AttentionMask) and mask.kind == "prefix" and s >= CHUNKED_CACHE_FROM
+              and implementation != "reference" and _kernel_target(implementation) is None
+              and sequence_shards(mesh, q.shape[1], s) <= 1)
+  if in_place:
+    return chunked_cache_attention(q, k_cache, v_cache, mask, layer=layer)
+  if layer is not None:
+    k_cache, v_cache = k_cache[layer], v_cache[layer]
+  return attention(q, k_cache.transpose(0, 3, 1, 2), v_cache.transpose(0, 2, 1, 3), causal=causal, mask=mask,
+                   implementation=implementation, block_sizes=block_sizes)
+
+
 def _shard_axes(mesh, q, k):
   """The mesh axes (or None) that q and k share on their batch and head dims."""
   from mdlm_jax.parallel import sharding
@@ -199,7 +222,8 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
       q, k, v, mask)
 
 
-__all__ = ["attention", "attention_reference", "chunked_attention", "CHUNKED_FROM", "CHUNKED_CACHE_FROM",
+__all__ = ["attention", "cache_attention", "attention_reference", "chunked_attention", "chunked_cache_attention",
+           "CHUNKED_FROM", "CHUNKED_CACHE_FROM",
            "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]

@@ -14,6 +14,10 @@ Key tiles no query of a tile may read (past the diagonal of a causal mask,
 outside a BD3 block's reach, past the filled prefix of a KV cache) are
 skipped, as the kernels skip them. A query row that may read no key gets
 zeros, as from the kernels (the reference averages every value there).
+
+`chunked_cache_attention` reads one layer of a KV cache in the layout it is
+stored in, tile by tile: a decoding pass then costs what the cache's filled
+prefix costs, not a transposed (and padded) copy of the whole buffer.
 """
 
 from __future__ import annotations
@@ -65,6 +69,33 @@ def chunked_attention(q: Float[Array, "b l h d"], k: Float[Array, "b s g d"], v:
   return out.transpose(0, 3, 1, 2, 4).reshape(b, lp, h, d)[:, :l]
 
 
+def chunked_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "*n b g d s"],
+                            v_cache: Float[Array, "*n b g s d"], mask: AttentionMask, *, layer=None,
+                            block_q: int = 512, block_k: int = 512,
+                            scale: float | None = None) -> Float[Array, "b l h d"]:
+  """`chunked_attention(q, k, v, mask)` with keys and values as a KV cache
+  stores them: [b, g, d, s] and [b, g, s, d], or every layer's ([n, ...],
+  `KVCache.k`/`.v`) with `layer` the one to read. Key tiles are sliced from
+  the buffer where they lie (the last one shifted back to end at the
+  buffer's end, its columns already read masked), so nothing the size of
+  the buffer is copied (slicing one layer out first would copy it). Forward
+  only: for decoding."""
+  b, l, h, d = q.shape
+  s, g = v_cache.shape[-2], v_cache.shape[-3]
+  mask = resolve(mask, False, q.shape, (b, s, g, d))
+  bq, bk = min(block_q, l), min(block_k, s)
+  lp = -(-l // bq) * bq
+  scale = d ** -0.5 if scale is None else scale
+  rows = tuple(x if x is None or x.shape[1] == lp else jnp.pad(x, ((0, 0), (0, lp - l)))
+               for x in (mask.q_segment_ids, mask.q_end))
+  qt = q if lp == l else jnp.pad(q, ((0, 0), (0, lp - l), (0, 0), (0, 0)))
+  qt = qt.reshape(b, lp, g, h // g, d).transpose(0, 2, 3, 1, 4)
+  out, _ = _forward(mask.spec, bq, bk, l, s, float(scale), qt, k_cache, v_cache, rows,
+                    (mask.kv_segment_ids, mask.kv_valid), jnp.zeros((), jnp.int32), keys_transposed=True,
+                    layer=layer)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, lp, h, d)[:, :l]
+
+
 def _tiles(x, n: int, axis: int):
   """x with `axis` split into tiles of n, the tile index moved to the front."""
   shape = x.shape[:axis] + (x.shape[axis] // n, n) + x.shape[axis + 1:]
@@ -94,30 +125,49 @@ class _Tiling:
     return kv_tile_range(self.spec, lo, lo + self.bq, l=self.l, s=self.s, block_k=self.bk,
                          num_k_blocks=n_k, q_end_max=None if q_end is None else jnp.max(q_end))
 
-  def allowed(self, i, j):
-    """The [B, 1, 1, bq, bk] mask of query tile i against key tile j."""
-    (q_seg, q_end), (kv_seg, kv_valid) = (tuple(_tile(x, i, self.bq, 1) for x in self.rows),
-                                          tuple(_tile(x, j, self.bk, 1) for x in self.cols))
+  def allowed(self, i, j, start=None):
+    """The [B, 1, 1, bq, bk] mask of query tile i against key tile j, whose
+    columns begin at `start` (default j * bk; earlier for a last tile moved
+    back to end at the buffer's end: its columns before j * bk are masked)."""
+    start = j * self.bk if start is None else start
+    q_seg, q_end = (_tile(x, i, self.bq, 1) for x in self.rows)
+    kv_seg, kv_valid = (None if x is None else jax.lax.dynamic_slice_in_dim(x, start, self.bk, 1) for x in self.cols)
     qi = (self.offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32))[:, None]
-    kj = (j * self.bk + jnp.arange(self.bk, dtype=jnp.int32))[None, :]
+    kj = (start + jnp.arange(self.bk, dtype=jnp.int32))[None, :]
     expand = lambda x, at: None if x is None else jnp.expand_dims(x, at)  # noqa: E731
     m = tile_mask(self.spec, qi, kj, l=self.l, s=self.s, q_seg=expand(q_seg, 2), kv_seg=expand(kv_seg, 1),
                   kv_valid=expand(kv_valid, 1), q_end=expand(q_end, 2), bounds=True)
+    m = m & (kj >= j * self.bk)
     m = m if m.ndim == 3 else m[None]
     return m[:, None, None]
 
 
-def _scores(qc, kc, allowed):
-  sc = jnp.einsum("bgrqd,bgkd->bgrqk", qc, kc, preferred_element_type=jnp.float32)
+def _scores(qc, kc, allowed, keys_transposed: bool = False):
+  sc = jnp.einsum("bgrqd,bgdk->bgrqk" if keys_transposed else "bgrqd,bgkd->bgrqk", qc, kc,
+                  preferred_element_type=jnp.float32)
   return jnp.where(allowed, sc, _MIN)
 
 
-def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset):
+def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset, keys_transposed: bool = False,
+             layer=None):
   """(out [b, g, r, L, d], lse [b, g, r, L]); a row that may read no key
-  gets zeros and an infinite lse (so no gradient)."""
+  gets zeros and an infinite lse (so no gradient). Keys are [b, g, S, d], or
+  [b, g, d, S] with `keys_transposed`; S need not be a multiple of bk. With
+  `layer`, keys and values have a leading layer axis and that layer is read."""
   qs = qt * jnp.asarray(scale, qt.dtype)
   tiling = _Tiling(spec, l, s, bq, bk, rows, cols, offset)
-  n_k = kt.shape[2] // bk
+  n_keys = vt.shape[-2]
+  n_k = -(-n_keys // bk)
+
+  def fetch(x, axis, start):
+    """Key tile [start, start + bk) along `axis` of one layer's buffer."""
+    if layer is None:
+      return jax.lax.dynamic_slice_in_dim(x, start, bk, axis)
+    index = [jnp.asarray(layer, jnp.int32)] + [jnp.zeros((), jnp.int32)] * (x.ndim - 1)
+    index[axis + 1] = start
+    sizes = [1, *x.shape[1:]]
+    sizes[axis + 1] = bk
+    return jax.lax.dynamic_slice(x, index, sizes)[0]
 
   def q_tile(i):
     qc = _tile(qs, i, bq, 3)
@@ -125,8 +175,9 @@ def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset):
 
     def k_tile(j, carry):
       m, total, acc = carry
-      kc, vc = _tile(kt, j, bk, 2), _tile(vt, j, bk, 2)
-      sc = _scores(qc, kc, tiling.allowed(i, j))
+      start = jnp.minimum(j * bk, n_keys - bk)
+      kc, vc = fetch(kt, 3 if keys_transposed else 2, start), fetch(vt, 2, start)
+      sc = _scores(qc, kc, tiling.allowed(i, j, start), keys_transposed)
       m_new = jnp.maximum(m, sc.max(-1))
       p = jnp.exp(sc - m_new[..., None])
       corr = jnp.exp(m - m_new)

@@ -161,6 +161,8 @@ def plot(result: dict, path: str) -> None:
     ax_m.plot([r["length"] for r in rows], [r["gib"] for r in rows], "o-", label=label)
   ax_m.axhline(result["memory_gib"], color="gray", ls="--", label=f"{result['memory_gib']:g} GiB")
   for ax, ylabel in ((ax_t, "prefill seconds"), (ax_m, "GiB (XLA's account)")):
+    if not ax.lines or not any(len(line.get_xdata()) for line in ax.lines):
+      continue  # nothing timed (--time-up-to 0): no scale to set
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")

@@ -124,8 +124,10 @@ class Attention(nnx.Module):
     v = constrain(v, ("batch", "length", "act_kv_heads", None))
     if cache is not None:
       cache = cache.write(layer, k_, v)
-      k_, v = cache.layer(layer)
-    o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
+      o = kernels.cache_attention(q, cache.k, cache.v, layer=layer, causal=causal, mask=mask,
+                                  implementation=self.attention_impl)
+    else:
+      o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
     wo = self.wo[...].reshape((d, h * k) if self.out_in else (h * k, d))
     return dense(o.reshape(b * l, h * k), wo, dt, self.out_in).reshape(b, l, d), cache
 

@@ -2,6 +2,8 @@
 against the reference for every mask kind, forward and backward, and against
 a float64 numpy softmax; on fresh random inputs (the seed is in failures)."""
 
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -125,3 +127,61 @@ def test_a_long_kv_cache_is_read_up_to_its_filled_prefix():
                              rtol=2e-5, atol=2e-5)
   short = AttentionMask(kind="prefix", q_end=q_end, kv_valid=mask.kv_valid[:, :s // 2])
   assert not loops(q, k[:, :s // 2], v[:, :s // 2], mask=short)  # a shorter cache stays on the reference
+
+
+@pytest.mark.parametrize("s,block_k", [(45, 8), (40, 8), (5, 8)])
+def test_a_cache_read_in_place_equals_a_float64_softmax(s, block_k):
+  """Keys [b, g, d, s] and values [b, g, s, d] as a KV cache stores them, s a
+  multiple of the tile or not (the last tile moves back over read columns),
+  or shorter than one tile; per-row prefixes and invalid slots."""
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  b, l, h, g, d = 2, 7, 4, 2, 8
+  q, k, v, _ = rand_inputs(rng, b, l, s, h, g, d, jnp.float32)
+  q_end = np.minimum(rng.integers(1, s + 1, size=(b, 1)) + np.arange(l)[None], s)
+  valid = (rng.random((b, s)) < 0.8)
+  valid[:, 0] = True
+  mask = AttentionMask(kind="prefix", q_end=jnp.asarray(q_end, jnp.int32), kv_valid=jnp.asarray(valid))
+  allowed = (np.arange(s)[None, None] < q_end[:, :, None]) & valid[:, None]  # [b, l, s]
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  k64, v64 = np.repeat(k64, h // g, axis=2), np.repeat(v64, h // g, axis=2)
+  scores = np.where(allowed[:, None], np.einsum("blhd,bshd->bhls", q64, k64) / np.sqrt(d), -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum("bhls,bshd->blhd", p / p.sum(-1, keepdims=True), v64)
+  k_cache, v_cache = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+  got = jax.jit(lambda q, kc, vc: kernels.chunked_cache_attention(q, kc, vc, mask, block_q=4, block_k=block_k))(
+      q, k_cache, v_cache)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+
+
+def test_a_long_cache_is_read_where_it_lies():
+  """`cache_attention` over one layer of a long cache of every layer's keys
+  and values equals `attention` over [b, s, g, d] views of that layer, and
+  its program makes nothing the size of a layer (a sliced, transposed or
+  padded copy would be one)."""
+  rng = np.random.default_rng(fresh_seed())
+  s, l, b, g, d = kernels.CHUNKED_CACHE_FROM + 40, 8, 2, 2, 16
+  q, k, v, _ = rand_inputs(rng, b, l, s, 4, g, d, jnp.float32)
+  q_end = jnp.asarray(rng.integers(1, 900, size=(b, 1)) + np.arange(l)[None], jnp.int32)
+  mask = AttentionMask(kind="prefix", q_end=q_end, kv_valid=jnp.ones((b, s), bool))
+  other = jnp.asarray(rng.standard_normal((b, g, d, s)), jnp.float32)  # layer 0: not read
+  k_cache = jnp.stack([other, k.transpose(0, 2, 3, 1)])
+  v_cache = jnp.stack([other.transpose(0, 1, 3, 2), v.transpose(0, 2, 1, 3)])
+  fn = jax.jit(lambda q, kc, vc: kernels.cache_attention(q, kc, vc, layer=1, mask=mask))
+  np.testing.assert_allclose(np.asarray(fn(q, k_cache, v_cache)),
+                             np.asarray(kernels.attention_reference(q, k, v, mask=mask)), rtol=2e-5, atol=2e-5)
+
+  def copies(f):
+    """Instructions of f's compiled program that make an array the size of a layer."""
+    hlo = f.lower(q, k_cache, v_cache).compile().as_text()
+    out = []
+    for m in re.finditer(r"^\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(", hlo, re.M):
+      size = int(np.prod([int(x) for x in m.group(1).split(",") if x]))
+      if size >= b * g * d * s and m.group(2) not in ("parameter", "get-tuple-element", "tuple", "while", "bitcast"):
+        out.append(m.group(0).strip())
+    return out
+
+  assert not copies(fn)
+  views = jax.jit(lambda q, kc, vc: kernels.attention(q, kc[1].transpose(0, 3, 1, 2), vc[1].transpose(0, 2, 1, 3),
+                                                      mask=mask))
+  assert copies(views)  # what reading [b, s, g, d] views of the layer costs

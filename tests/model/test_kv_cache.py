@@ -175,12 +175,16 @@ def test_block_diffusion_cache_matches_block_causal_reference(kw):
     assert int(cache.length) == P + lo + blk
 
 
-@pytest.mark.parametrize("kw", [DIFFUSION, SHIFTED], ids=["plain", "shifted"])
-def test_per_row_cache_matches_block_causal_reference(kw):
+@pytest.mark.parametrize("kw,long", [(DIFFUSION, False), (SHIFTED, False), (DIFFUSION, True)],
+                         ids=["plain", "shifted", "long-cache"])
+def test_per_row_cache_matches_block_causal_reference(kw, long):
   """A serving-style cache: rows with prompts of different lengths (right-padded, each row
   committing only its own real tokens, so the rows' fill points differ), then blocks sent as
   [finished block | next block] chunks with new_block: the head is committed, the tail is
-  denoised, and its logits equal the full forward under the block-causal mask."""
+  denoised, and its logits equal the full forward under the block-causal mask. `long`: a
+  cache past CHUNKED_CACHE_FROM slots (not a multiple of the tile), read in place by the
+  chunked attention."""
+  from mdlm_jax import kernels
   spec, params, full, _, _ = setup(kw)
   blk, n_blocks = 3, 3
   length = P + blk * n_blocks
@@ -194,7 +198,7 @@ def test_per_row_cache_matches_block_causal_reference(kw):
     return bind(spec, params).forward_cached(tokens, positions, cache, commit=True, valid_new=valid_new, t=t,
                                              commit_len=keep, new_block=new_block)
 
-  cache = KVCache.init(spec.cfg, B, P + 2 * blk * n_blocks, per_row=True)
+  cache = KVCache.init(spec.cfg, B, kernels.CHUNKED_CACHE_FROM + 7 if long else P + 2 * blk * n_blocks, per_row=True)
   valid = jnp.asarray(np.arange(P)[None, :] < n_real[:, None])
   _, cache = step(params, jnp.asarray(real[:, :P]), arange_pos(B, 0, P), cache, valid, jnp.asarray(n_real), new_block=0)
   np.testing.assert_array_equal(np.asarray(cache.length), n_real)
