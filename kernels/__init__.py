@@ -182,7 +182,8 @@ def cache_attention(q, k_cache, v_cache, *, layer=None, causal: bool = False,
                     mask: "AttentionMask | None" = None, implementation="xla", block_sizes: BlockSizes | None = None):
   """`attention` of new queries over a KV cache as it is stored: keys
   [b, g, d, s], values [b, g, s, d], or every layer's ([n, ...], `KVCache.k`
-  and `.v`) with `layer` the one to read. Where the chunked attention would
+  and `.v`) with `layer` the one to read; the queries' b rows read the
+  buffers' first b rows. Where the chunked attention would
   read a long cache, it reads these buffers in place, up to the filled
   prefix's last tile; otherwise `attention` over [b, s, g, d] views of the
   layer."""
@@ -193,8 +194,11 @@ def cache_attention(q, k_cache, v_cache, *, layer=None, causal: bool = False,
               and sequence_shards(mesh, q.shape[1], s) <= 1)
   if in_place:
     return chunked_cache_attention(q, k_cache, v_cache, mask, layer=layer)
+  b = q.shape[0]
   if layer is not None:
-    k_cache, v_cache = k_cache[layer], v_cache[layer]
+    k_cache, v_cache = k_cache[layer, :b], v_cache[layer, :b]
+  elif k_cache.shape[0] != b:
+    k_cache, v_cache = k_cache[:b], v_cache[:b]
   return attention(q, k_cache.transpose(0, 3, 1, 2), v_cache.transpose(0, 2, 1, 3), causal=causal, mask=mask,
                    implementation=implementation, block_sizes=block_sizes)
 

@@ -75,7 +75,9 @@ def chunked_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "*
                             scale: float | None = None) -> Float[Array, "b l h d"]:
   """`chunked_attention(q, k, v, mask)` with keys and values as a KV cache
   stores them: [b, g, d, s] and [b, g, s, d], or every layer's ([n, ...],
-  `KVCache.k`/`.v`) with `layer` the one to read. Key tiles are sliced from
+  `KVCache.k`/`.v`) with `layer` the one to read, whose first b rows (b of
+  q) are read: a pass over some of a cache's rows needs no copy of them
+  either. Key tiles are sliced from
   the buffer where they lie (the last one shifted back to end at the
   buffer's end, its columns already read masked), so nothing the size of
   the buffer is copied (slicing one layer out first would copy it). Forward
@@ -165,7 +167,7 @@ def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset, keys_tra
       return jax.lax.dynamic_slice_in_dim(x, start, bk, axis)
     index = [jnp.asarray(layer, jnp.int32)] + [jnp.zeros((), jnp.int32)] * (x.ndim - 1)
     index[axis + 1] = start
-    sizes = [1, *x.shape[1:]]
+    sizes = [1, qt.shape[0], *x.shape[2:]]  # the queries' rows: the first of the buffer's
     sizes[axis + 1] = bk
     return jax.lax.dynamic_slice(x, index, sizes)[0]
 

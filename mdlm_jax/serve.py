@@ -44,7 +44,7 @@ def parse(argv):
                  help="device mesh, e.g. 'data=2,tensor=2' (slots over data, params over fsdp/tensor)")
   p.add_argument("--model-id", default=None, help="the model name clients send (default: the folder name)")
   p.add_argument("--max-prompt-tokens", type=int, default=512)
-  p.add_argument("--prefill-chunk", type=int, default=2048,
+  p.add_argument("--prefill-chunk", type=int, default=512,
                  help="encode longer prompts this many tokens a turn, between the other requests' passes (chunks"
                       " read earlier chunks and themselves: block-causal over chunks); 0: each prompt in one"
                       " prefill")

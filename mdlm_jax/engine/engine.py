@@ -349,6 +349,7 @@ class Engine:
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
           self._run_pass(rows, with_head)
+      _request_key(0)  # the key derivation compiles too
       jax.block_until_ready(self._state)
     return self
 
@@ -607,7 +608,7 @@ class Engine:
         self._slots[row] = h
         self._head[row] = False
       h.slot = row
-      h.key = np.asarray(jax.random.key_data(jax.random.key(h.request.seed)), np.uint32)
+      h.key = _request_key(h.request.seed)
       if not self.prefill_chunk or h.fixed_len <= self.prefill_chunk:
         turn.admits.append((row, h.request, h.key, 0, h.fixed_len))
         h.prefilled = h.fixed_len
@@ -838,6 +839,11 @@ class Engine:
         out.append((int(ids[j]), float(logp[j]), alts))
     h.logprobs_sent = max(h.logprobs_sent, upto)
     return out
+
+
+def _request_key(seed: int) -> np.ndarray:
+  """A request's PRNG key data, from its seed."""
+  return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
 
 
 def _tokens_within(tok, ids, n_chars: int) -> int:

@@ -274,19 +274,21 @@ def _write_block(sc: SlotConfig, s: Slots, moving, new_tail) -> Slots:
 
 
 def guide(sc: SlotConfig, s: Slots, rows: Bool[Array, "s"], tokens: Int[Array, "s b"], take: Bool[Array, "s b"],
-          cursor: Int[Array, "s"], allowed, forced: Bool[Array, "s b"]) -> Slots:
+          cursor: Int[Array, "s"], allowed, forced: Bool[Array, "s b"], logprobs: bool = True) -> Slots:
   """The host's commits for constrained `rows` (which become constrained):
   `tokens` where `take` in the current block (a prefix from the cursor the
   grammar accepted), then the new `cursor` and its bitmask `allowed`
   [s, words]. A row whose block fills moves on as after a pass; `take` all
   False only sets the bitmask. `forced` positions hold tokens the grammar
-  forced (no pass proposed them): certain, log-probability 0."""
+  forced (no pass proposed them): certain, log-probability 0 (recorded with
+  `logprobs`, static: no busy request asked for them, none is read)."""
   bs = sc.block_size
   lo = jnp.minimum(s.block * bs, sc.max_new_tokens - bs)
-  k = jnp.arange(TOP_LOGPROBS)
-  s = _record_logprobs(sc, s, forced & rows[:, None], jnp.zeros(forced.shape, jnp.float32),
-                       jnp.where(k == 0, 0.0, -jnp.inf) + jnp.zeros(forced.shape + (1,)),
-                       jnp.where(k == 0, tokens[..., None], 0))
+  if logprobs:
+    k = jnp.arange(TOP_LOGPROBS)
+    s = _record_logprobs(sc, s, forced & rows[:, None], jnp.zeros(forced.shape, jnp.float32),
+                         jnp.where(k == 0, 0.0, -jnp.inf) + jnp.zeros(forced.shape + (1,)),
+                         jnp.where(k == 0, tokens[..., None], 0))
   tail = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, bs))(s.gen, lo)
   writes = rows & s.active & jnp.any(take, axis=-1)
   out = _write_block(sc, s, writes, jnp.where(take, tokens, tail))
@@ -299,12 +301,13 @@ def guide(sc: SlotConfig, s: Slots, rows: Bool[Array, "s"], tokens: Int[Array, "
 
 def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
   """fn(array, slot_axis, *matching arrays of `others`) over every slot-indexed
-  array of the state (the cache's keys/values have the slot axis at 1)."""
+  array of the state but the cache's keys and values, which stay whole (a
+  cache of fewer rows than its buffers reads and writes their first rows)."""
   def one(get, axis):
     return fn(get(s), axis, *(get(o) for o in others))
 
-  cache = s.cache.replace(**{name: one(lambda x, name=name: getattr(x.cache, name), 1 if name in ("k", "v") else 0)
-                             for name in ("k", "v", "valid", "length", "last_hidden")})
+  cache = s.cache.replace(**{name: one(lambda x, name=name: getattr(x.cache, name), 0)
+                             for name in ("valid", "length", "last_hidden")})
   rest = {f.name: jax.tree.map(lambda x, *o: fn(x, 0, *o), getattr(s, f.name), *(getattr(o, f.name) for o in others))
           for f in dataclasses.fields(s) if f.name != "cache"}
   return s.replace(cache=cache, **rest)
@@ -319,26 +322,10 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
   head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head,
               guided, logprobs)
   out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
-  # A pass without head commits nothing to the cache. Writing its unchanged
-  # rows back would make XLA copy the whole cache (twice) to order the read
-  # before the in-place update: most of such a pass's time at a light load.
-  if not with_head:
-    return out.replace(cache=s.cache)
-  # A pass with head committed at most a block at each row's fill point: only
-  # that window goes back, not the rows' whole cache (what it wrote after the
-  # window lies past the fill point, where nothing reads it).
-  w = sc.block_size
-  start = jnp.minimum(s.cache.length[:rows], sc.cache_len - w)
-
-  def put_row(r, kv):
-    k, v = kv
-    new_k = lax.dynamic_slice_in_dim(lax.dynamic_slice_in_dim(head.cache.k, r, 1, axis=1), start[r], w, axis=4)
-    new_v = lax.dynamic_slice_in_dim(lax.dynamic_slice_in_dim(head.cache.v, r, 1, axis=1), start[r], w, axis=3)
-    return (lax.dynamic_update_slice(k, new_k, (0, r, 0, 0, start[r])),
-            lax.dynamic_update_slice(v, new_v, (0, r, 0, start[r], 0)))
-
-  k, v = lax.fori_loop(0, rows, put_row, (s.cache.k, s.cache.v))
-  return out.replace(cache=out.cache.replace(k=k, v=v))
+  # The pass read and wrote its rows' keys and values in the whole buffers, in
+  # place: no copy of the rows in, none back (at a long context, copying them
+  # cost a pass many times its own work).
+  return out.replace(cache=out.cache.replace(k=head.cache.k, v=head.cache.v))
 
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
@@ -349,7 +336,7 @@ def compile_programs(spec: ModelSpec, sc: SlotConfig):
   first, in the same program, and the pass runs guided."""
   def run(params, state, guides, rows, with_head=True, logprobs=False):
     if guides is not None:
-      state = guide(sc, state, *guides)
+      state = guide(sc, state, *guides, logprobs=logprobs)
     return step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs)
 
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,), static_argnames=("resume",)),

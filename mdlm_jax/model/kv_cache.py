@@ -39,6 +39,10 @@ class KVCache:
   row filled alike, as in one generate call) or one count per row [b] (a
   serving engine whose slots hold requests at different points). Keys are
   stored after RoPE, so a slot's position is baked in when written.
+
+  `k` and `v` may hold more rows than `valid` and `length` (b): the cache is
+  then the first b rows of those buffers, read and written in place (a pass
+  over the first slots of a serving engine, with no copy of the rest).
   """
 
   k: Float[Array, "n b g d s"]  # g: kv heads (fewer than query heads under GQA)
