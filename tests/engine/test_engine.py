@@ -560,38 +560,34 @@ def _first_block_logprobs(loaded, prompt, bs, chunk):
 def test_chunked_prefill_reads_earlier_chunks_and_lets_others_decode_meanwhile(loaded):
   """A prompt longer than prefill_chunk is encoded a chunk a turn: its first
   block's distribution is the uncached model's with the prompt read
-  chunk-causally (and, unchunked, bidirectionally: the reference tells the
-  two apart), and a short request admitted beside it finishes before the
-  long prompt's last chunk."""
+  chunk-causally (which the reference tells apart from reading it all
+  bidirectionally, as one prefill does), and a short request admitted beside
+  it finishes before the long prompt's last chunk."""
   bs, chunk = 8, 16
   gen = Generator(loaded)
   long_prompt = gen.encode_prompt("import os\nimport sys\n" * 12)[:90]
   smp = ThresholdSampler(block_size=bs, kv_cache=True, threshold=1.0, min_tokens=bs)
-  results = {}
-  for c in (chunk, 0):
-    e = Engine(loaded, num_slots=2, max_prompt=96, max_new_tokens=bs, block_size=bs, prefill_chunk=c)
-    long = e.submit(Request(long_prompt, bs, smp, logprobs=5, stop=()))
-    short = e.submit(Request(gen.encode_prompt(PROMPTS[0]), bs, smp))
-    chunks_when_short_ended = []
-    short.add_listener(lambda: chunks_when_short_ended.append(e.stats["prefill_chunks"]) if short.finished else None)
-    e.start()
-    try:
-      entries = [x for ev in long.events(timeout=120) for x in ev.logprobs or []]
-      short.result(timeout=120)
-    finally:
-      e.close(deadline_s=1)
-    assert entries, "the long request returned no tokens to compare"
-    results[c] = entries, chunks_when_short_ended[0], e.stats["prefill_chunks"]
+  e = Engine(loaded, num_slots=2, max_prompt=96, max_new_tokens=bs, block_size=bs, prefill_chunk=chunk)
+  long = e.submit(Request(long_prompt, bs, smp, logprobs=5))
+  short = e.submit(Request(gen.encode_prompt(PROMPTS[0]), bs, smp))
+  chunks_when_short_ended = []
+  short.add_listener(lambda: chunks_when_short_ended.append(e.stats["prefill_chunks"]) if short.finished else None)
+  e.start()
+  try:
+    entries = [x for ev in long.events(timeout=120) for x in ev.logprobs or []]
+    short.result(timeout=120)
+  finally:
+    e.close(deadline_s=1)
+  assert entries, "the long request returned no tokens to compare"
   n_chunks = -(-len(long_prompt) // chunk)
-  assert results[chunk][2] == n_chunks and results[0][2] == 0
-  assert results[chunk][1] < n_chunks  # the short request did not wait for the whole prefill
-  for c, ref_chunk in ((chunk, chunk), (0, None)):
-    want = _first_block_logprobs(loaded, long_prompt, bs, ref_chunk)
-    for j, (tok, logp, alts) in enumerate(results[c][0]):
-      np.testing.assert_allclose(logp, want[j, tok], atol=2e-4)
-      np.testing.assert_allclose([v for _, v in alts], np.sort(want[j])[::-1][:5], atol=2e-4)
-  other = _first_block_logprobs(loaded, long_prompt, bs, None)
-  assert max(abs(lp - other[j, t]) for j, (t, lp, _) in enumerate(results[chunk][0])) > 1e-3
+  assert e.stats["prefill_chunks"] == n_chunks
+  assert chunks_when_short_ended[0] < n_chunks  # the short request did not wait for the whole prefill
+  want = _first_block_logprobs(loaded, long_prompt, bs, chunk)
+  for j, (tok, logp, alts) in enumerate(entries):
+    np.testing.assert_allclose(logp, want[j, tok], atol=2e-4)
+    np.testing.assert_allclose([v for _, v in alts], np.sort(want[j])[::-1][:5], atol=2e-4)
+  whole = _first_block_logprobs(loaded, long_prompt, bs, None)
+  assert max(abs(lp - whole[j, t]) for j, (t, lp, _) in enumerate(entries)) > 1e-3
 
 
 def test_prefill_chunk_is_checked(loaded):
