@@ -1,6 +1,6 @@
 """python -m mdlm_jax.serve [--checkpoint=DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--slots N]
     [--max-context TOKENS | --kv-cache-memory 4GiB] [--prefill-chunk TOKENS]
-    [--weight-layout in_out|out_in] [--cors-origins=https://a.example,...] [--log-requests]
+    [--weight-layout in_out|out_in] [--cors-origins=https://a.example,...] [--log-requests] [--no-warmup]
 
 Serves a diffusion checkpoint (default: the packaged model) behind the OpenAI
 API: /v1/models, /v1/chat/completions, /v1/completions, /v1/fim/completions,
@@ -62,6 +62,9 @@ def parse(argv):
   p.add_argument("--admit-wait-ms", type=float, default=20.0,
                  help="an idle server holds its first admission up to this long while more requests are still being"
                       " read, so a burst shares one prefill (a lone request never waits; 0: off)")
+  p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                 help="compile every pass and prefill program before serving (default); --no-warmup starts in"
+                      " seconds and compiles each program on its first use, so early requests wait (development)")
   p.add_argument("--max-n", type=int, default=8)
   p.add_argument("--max-body-bytes", type=int, default=1 << 20)
   p.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -177,7 +180,7 @@ def main(argv=None):
     cli.fail("serve", e)
   import jax
   if jax.process_index() > 0:
-    follow(engine)
+    follow(engine, a.warmup)
     return
   import uvicorn
 
@@ -194,7 +197,9 @@ def main(argv=None):
       # process as killed by it; a drained shutdown is a clean exit here.
       self._captured_signals.clear()
 
-  engine.warmup().start()
+  if a.warmup:
+    engine.warmup()
+  engine.start()
   config = uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
                           timeout_graceful_shutdown=a.shutdown_timeout)
   server = Server(config)
@@ -205,14 +210,16 @@ def main(argv=None):
   print("shut down", flush=True)
 
 
-def follow(engine) -> None:
-  """A process other than 0: decode in lockstep with process 0 until it stops.
-  A signal here is left to process 0's shutdown (launchers signal every process)."""
+def follow(engine, warmup: bool = True) -> None:
+  """A process other than 0: decode in lockstep with process 0 until it stops
+  (warmed up as it is). A signal here is left to process 0's shutdown
+  (launchers signal every process)."""
   import signal
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
   import jax
-  engine.warmup()
+  if warmup:
+    engine.warmup()
   print(f"process {jax.process_index()}: following process 0", flush=True)
   engine.follow()
   print(f"process {jax.process_index()}: shut down", flush=True)

@@ -33,8 +33,9 @@ class Metrics:
       self.latency_sum += seconds
 
   def render(self, queue_depth: int, active: int, slots: int, finish_reasons: dict[str, int] | None = None,
-             kv_cache: tuple[int, int, int] = (0, 0, 0)) -> str:
-    """`kv_cache`: (bytes every slot reserves, tokens in use, token capacity)."""
+             kv_cache: tuple[int, int, int] = (0, 0, 0), compiled: dict[str, int] | None = None) -> str:
+    """`kv_cache`: (bytes every slot reserves, tokens in use, token capacity);
+    `compiled`: programs compiled so far by kind (pass, prefill)."""
     with self._lock:
       lines = ["# HELP mdlm_requests_total HTTP requests by endpoint and status.",
                "# TYPE mdlm_requests_total counter"]
@@ -59,6 +60,10 @@ class Metrics:
                 "# HELP mdlm_finished_total Engine requests (one per choice) by how they ended.",
                 "# TYPE mdlm_finished_total counter"]
       lines += [f'mdlm_finished_total{{reason="{r}"}} {n}' for r, n in sorted((finish_reasons or {}).items())]
+      lines += ["# HELP mdlm_compiled_programs Pass and prefill programs compiled so far (warmup compiles all"
+                " of them before serving; without it each compiles on first use).",
+                "# TYPE mdlm_compiled_programs gauge"]
+      lines += [f'mdlm_compiled_programs{{kind="{k}"}} {n}' for k, n in sorted((compiled or {}).items())]
       lines += [
                 "# HELP mdlm_request_latency_seconds Time from request to its last token.",
                 "# TYPE mdlm_request_latency_seconds histogram"]

@@ -17,7 +17,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=2", "--model-id=tiny", "--admit-batch=1")
+  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=2", "--model-id=tiny", "--admit-batch=1",
+                      "--no-warmup")  # compiles what the page uses, on first use
   yield base
   proc.kill()
 
@@ -80,9 +81,12 @@ def test_chat_and_infill_sharpen_on_the_page_and_match_the_api(server, tmp_path)
     assert driver.find_element("id", "effort-name").text == "low"
     for element_id, value in (("seed", 7), ("temperature", 0.8), ("max-tokens", 24)):
       _set(driver, element_id, value)
-    # Note whether any draft showed undecided positions on its way.
-    driver.execute_script("window.sawUndecided = false; new MutationObserver(() => {"
-                          " if (document.querySelector('.undecided')) window.sawUndecided = true; })"
+    # Note whether any draft drew undecided positions on its way. The mutation
+    # records keep every node added, also one a later draft of the same task
+    # replaced before the observer ran (several drafts can arrive in one read).
+    driver.execute_script("window.sawUndecided = false; new MutationObserver((records) => {"
+                          " for (const r of records) for (const n of r.addedNodes)"
+                          "  if (n.nodeType === 1 && n.classList.contains('undecided')) window.sawUndecided = true; })"
                           ".observe(document.body, {subtree: true, childList: true});")
     prompt = "Write a function that adds two numbers."
     driver.find_element("id", "chat-input").send_keys(prompt)

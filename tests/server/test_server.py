@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -49,7 +50,7 @@ def _start(checkpoint, *args, devices=1):
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
   proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny",
-                      "--admit-batch=1")  # batched prefills: tests/engine (each size compiles at startup)
+                      "--admit-batch=1", "--no-warmup")  # batched prefills: tests/engine; compiles on first use
   yield proc, base
   if proc.poll() is None:
     proc.kill()
@@ -603,13 +604,34 @@ TOOLS = [WEATHER, CLOCK]
 
 
 @pytest.fixture(scope="module")
-def tool_client(tiny_checkpoints):
+def tool_server(tiny_checkpoints):
   """A server whose prompts fit a tools preamble (the tiny tokenizer spends
-  some 600 tokens on two tool signatures)."""
+  some 600 tokens on two tool signatures), without warmup: (base URL, its
+  /metrics when it came up)."""
   proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--max-prompt-tokens=1024", "--admit-batch=1",
-                      "--max-tokens=128")
-  yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+                      "--max-tokens=128", "--no-warmup")
+  yield base, httpx.get(base + "/metrics").text
   proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server):
+  return openai.OpenAI(base_url=tool_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _compiled(metrics: str) -> dict[str, int]:
+  return {kind: int(n) for kind, n in re.findall(r'mdlm_compiled_programs\{kind="(\w+)"\} (\d+)', metrics)}
+
+
+def test_without_warmup_programs_compile_on_first_use(tool_server, tool_client):
+  base, at_start = tool_server
+  assert _compiled(at_start) == {"pass": 0, "prefill": 0}
+  _chat(tool_client, max_tokens=8)
+  # One short request: its prompt's prefill, and passes over one slot (with
+  # and without a finished block at most), of the 2 x 4 pass sizes and the
+  # prefill buckets a warmup would compile.
+  used = _compiled(httpx.get(base + "/metrics").text)
+  assert used["prefill"] == 1 and 1 <= used["pass"] <= 2
 
 
 def _check_calls(calls, names=("get_weather", "get_time")):
