@@ -45,10 +45,16 @@ def test_ar_loglikelihood_is_exact(ar_lm):
   reqs = [_instance("loglikelihood", (ctx, c)) for ctx, cs, _ in CHOICES for c in cs]
   got = ar_lm.loglikelihood(reqs)
   model = bind(ar_lm.loaded.spec, ar_lm.loaded.params)
-  for (ll, greedy), r in zip(got, reqs):
-    ctx, cont = ar_lm._pair(*r.args)
+  pairs = [ar_lm._pair(*r.args) for r in reqs]
+  # One batch, right-padded: a causal model's logits at a position do not read what follows.
+  width = max(len(ctx) + len(cont) for ctx, cont in pairs)
+  batch = np.zeros((len(pairs), width), np.int32)
+  for i, (ctx, cont) in enumerate(pairs):
+    batch[i, :len(ctx) + len(cont)] = ctx + cont
+  all_logits = np.asarray(model(jax.numpy.asarray(batch)), np.float64)
+  for (ll, greedy), (ctx, cont), logits in zip(got, pairs, all_logits):
     row = np.asarray([ctx + cont], np.int32)
-    logits = np.asarray(model(jax.numpy.asarray(row)), np.float64)[0]
+    logits = logits[:row.shape[1]]
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
         -1, keepdims=True)
     pos = np.arange(len(ctx) - 1, row.shape[1] - 1)

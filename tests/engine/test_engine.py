@@ -127,9 +127,8 @@ def test_passes_do_not_copy_the_cache(loaded):
   e = Engine(loaded, num_slots=8, max_prompt=32, max_new_tokens=16, block_size=8)
   full = "|".join(",".join(str(d) for d in shape) for shape in e.cache_shapes)
   # Passes over some slots, with and without finished blocks, and over all
-  # without; guided ones write the host's commits first, in the same program.
-  for rows, with_head, guided in ((1, True, False), (4, True, False), (1, False, False), (8, False, False),
-                                  (8, True, False), (8, True, True)):
+  # (a guided one writes the host's commits first, in the same program).
+  for rows, with_head, guided in ((1, True, False), (1, False, False), (8, False, False), (8, True, True)):
     hlo = e.pass_hlo(rows, with_head, guided)
     copies = re.findall(rf"= f32\[(?:{full})\]\S* copy\(", hlo)
     assert not copies, f"rows={rows}, with_head={with_head}, guided={guided}: {len(copies)} copies of the cache"
