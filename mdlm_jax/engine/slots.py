@@ -192,10 +192,10 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   d = s.decoding
   columns = lo[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   keys = rule.pass_keys(s.key, s.block, s.step)
+  if guided:
+    logits = _allow_at_cursor(logits, s, lo)
   x0, conf = rule.propose(logits, keys, columns, sc.mask_id, d.temperature, d.top_p)
   top = _top_logprobs(logits, sc.mask_id) if logprobs else None
-  if guided:
-    x0, conf, top = _propose_at_cursor(logits, x0, conf, s, lo, keys, sc.mask_id, top)
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.commit(conf, candidates, d.threshold, d.min_tokens)
   commit = picked & ~s.constrained[:, None] if guided else picked
@@ -237,25 +237,16 @@ def _record_logprobs(sc: SlotConfig, s: Slots, where, logp, top_vals, top_ids) -
   return s.replace(logp=put(s.logp, logp), top_ids=put(s.top_ids, top_ids), top_logp=put(s.top_logp, top_vals))
 
 
-def _propose_at_cursor(logits, x0, conf, s: Slots, lo, keys, mask_id: int, top=None):
-  """x0 and confidence with each constrained row's cursor column redrawn from
-  its logits under its grammar bitmask (same noise: the column's own), and
-  with `top` (top log-probs and ids) the cursor's under the bitmask too."""
-  bs = x0.shape[1]
-  off = jnp.clip(s.cursor - lo, 0, bs - 1)
+def _allow_at_cursor(logits, s: Slots, lo):
+  """The block's logits with each constrained row's cursor column masked to
+  its grammar's bitmask. One proposal then draws every column, the cursor's
+  under the grammar with its own noise (a column's draw reads only its
+  logits), and the top log-probs there are the allowed tokens'."""
   if isinstance(logits, kernels.HeadInput):
-    hidden = jnp.take_along_axis(logits.hidden, off[:, None, None], axis=1)
-    at = kernels.HeadInput(hidden, logits.w, logits.implementation, logits.out_in).logits()
-  else:
-    at = jnp.take_along_axis(logits, off[:, None, None], axis=1)
-  d = s.decoding
-  allowed = rule.allow(at.astype(jnp.float32), s.allowed[:, None])
-  xc, cc = rule.propose(allowed, keys, (lo + off)[:, None], mask_id, d.temperature, d.top_p)
-  here = s.constrained[:, None] & (jnp.arange(bs)[None] == off[:, None])
-  if top is not None:
-    vals, ids = _top_logprobs(allowed, mask_id)
-    top = tuple(jnp.where(here[..., None], new, old) for new, old in zip((vals, ids), top))
-  return jnp.where(here, xc, x0), jnp.where(here, cc, conf), top
+    logits = logits.logits()
+  bs = logits.shape[1]
+  here = s.constrained[:, None] & (jnp.arange(bs)[None] == jnp.clip(s.cursor - lo, 0, bs - 1)[:, None])
+  return jnp.where(here[..., None], rule.allow(logits.astype(jnp.float32), s.allowed[:, None]), logits)
 
 
 def _write_block(sc: SlotConfig, s: Slots, moving, new_tail) -> Slots:

@@ -47,7 +47,7 @@ def test_bench_serve(tiny_checkpoints, tmp_path):
 
 def test_bench_agent(tiny_checkpoints, tmp_path):
   out = _bench("agent", f"--checkpoint={tiny_checkpoints['mdlm']}", "--seeds=1", "--max-tokens=48",
-               "--pass-repeats=2", tmp_path=tmp_path)
+               "--pass-repeats=2", "--timed-runs=1", tmp_path=tmp_path)
   assert set(out["modes"]) == {"unconstrained", "confident", "bridge", "valid"}
   for mode in ("confident", "bridge", "valid"):
     m = out["modes"][mode]
@@ -55,6 +55,8 @@ def test_bench_agent(tiny_checkpoints, tmp_path):
     assert m["finished_stop"] + m["finished_length"] == m["requests"] == 5
     assert m["tokens_per_request_pass"] >= 1  # never less than a token a pass
     assert m["grammar_host_s_per_pass"] > 0 and set(m["pass_time_added"]) == {"with_head=False", "with_head=True"}
+    added = sorted(m["pass_time_added"].values())
+    assert 0 < m["with_head_share"] < 1 and added[0] <= m["pass_time_added_over_passes"] <= added[1]
 
 
 def test_bench_sample(tiny_checkpoints, tmp_path):
