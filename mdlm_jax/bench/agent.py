@@ -208,6 +208,7 @@ def plot(result: dict, path: str) -> None:
                             ("tokens committed per pass", "tokens/s (all requests)", "seconds per pass")):
     ax.bar(modes, [result["modes"][m][key] for m in modes], color=["0.6", "tab:blue", "tab:green", "tab:orange"][:len(modes)])
     ax.set_title(label, fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
   fig.suptitle(f"structured outputs, {result['checkpoint']} ({result['effort']}, T={result['temperature']})",
                fontsize=10)
   fig.tight_layout()
