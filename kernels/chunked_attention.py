@@ -51,22 +51,13 @@ def chunked_attention(q: Float[Array, "b l h d"], k: Float[Array, "b s g d"], v:
   lp, sp = -(-l // bq) * bq, -(-s // bk) * bk
   scale = d ** -0.5 if scale is None else scale
 
-  def pad(x, n, axis=1):
-    if x is None or x.shape[axis] == n:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, widths)
-
-  # Heads-major: [b, g, r, L, d] queries (the r query heads of each kv head
-  # together), [b, g, S, d] keys and values.
-  qt = pad(q, lp).reshape(b, lp, g, h // g, d).transpose(0, 2, 3, 1, 4)
-  kt, vt = pad(k, sp).transpose(0, 2, 1, 3), pad(v, sp).transpose(0, 2, 1, 3)
-  rows = (pad(mask.q_segment_ids, lp), pad(mask.q_end, lp))
-  cols = (pad(mask.kv_segment_ids, sp), pad(mask.kv_valid, sp))
+  # [b, g, S, d] keys and values, heads-major like the queries.
+  kt, vt = _pad(k, sp).transpose(0, 2, 1, 3), _pad(v, sp).transpose(0, 2, 1, 3)
+  rows = (_pad(mask.q_segment_ids, lp), _pad(mask.q_end, lp))
+  cols = (_pad(mask.kv_segment_ids, sp), _pad(mask.kv_valid, sp))
   offset = jnp.asarray(q_offset, jnp.int32)
-  out = _attention(mask.spec, bq, bk, q_total, s, float(scale), qt, kt, vt, rows, cols, offset)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, lp, h, d)[:, :l]
+  out = _attention(mask.spec, bq, bk, q_total, s, float(scale), _heads_major(q, lp, g), kt, vt, rows, cols, offset)
+  return _tokens_major(out, l)
 
 
 def chunked_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "*n b g d s"],
@@ -88,14 +79,33 @@ def chunked_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "*
   bq, bk = min(block_q, l), min(block_k, s)
   lp = -(-l // bq) * bq
   scale = d ** -0.5 if scale is None else scale
-  rows = tuple(x if x is None or x.shape[1] == lp else jnp.pad(x, ((0, 0), (0, lp - l)))
-               for x in (mask.q_segment_ids, mask.q_end))
-  qt = q if lp == l else jnp.pad(q, ((0, 0), (0, lp - l), (0, 0), (0, 0)))
-  qt = qt.reshape(b, lp, g, h // g, d).transpose(0, 2, 3, 1, 4)
-  out, _ = _forward(mask.spec, bq, bk, l, s, float(scale), qt, k_cache, v_cache, rows,
+  rows = (_pad(mask.q_segment_ids, lp), _pad(mask.q_end, lp))
+  out, _ = _forward(mask.spec, bq, bk, l, s, float(scale), _heads_major(q, lp, g), k_cache, v_cache, rows,
                     (mask.kv_segment_ids, mask.kv_valid), jnp.zeros((), jnp.int32), keys_transposed=True,
                     layer=layer)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, lp, h, d)[:, :l]
+  return _tokens_major(out, l)
+
+
+def _pad(x, n: int, axis: int = 1):
+  """x zero-padded to length n along `axis` (None stays None)."""
+  if x is None or x.shape[axis] == n:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _heads_major(q, lp: int, g: int):
+  """[b, l, h, d] queries padded to lp rows as [b, g, r, lp, d]: the r query
+  heads that share each of the g kv heads together."""
+  b, _, h, d = q.shape
+  return _pad(q, lp).reshape(b, lp, g, h // g, d).transpose(0, 2, 3, 1, 4)
+
+
+def _tokens_major(out, l: int):
+  """`_heads_major`'s layout back to [b, l, h, d], the padding dropped."""
+  b, g, r, lp, d = out.shape
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, lp, g * r, d)[:, :l]
 
 
 def _tiles(x, n: int, axis: int):
