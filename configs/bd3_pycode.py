@@ -17,6 +17,10 @@ from mdlm_jax.config import load_config_file
 def get_config():
   c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pycode.py"))
   c.diffusion.block_size = 8
+  # Source files average about 2,400 tokens, more than two rows: cut before
+  # packing, a file's PSM example seldom fits in one row (the AR twin, trained
+  # so, does not infill). Cut after packing, every example is whole.
+  c.data.fim_level = "context"
   c.model.shift_logits = True
   c.optim.update(learning_rate=1e-3, warmup_steps=50)
   c.train.update(num_steps=2000, eval_every=250)

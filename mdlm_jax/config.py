@@ -92,6 +92,10 @@ def base_config() -> ml_collections.ConfigDict:
   # makes the engine and the CLI infill in that format.
   dt.fim_rate = 0.0
   dt.fim_spm_rate = 0.5
+  # "document": each document is cut before packing; "context": each run of
+  # text in a packed row is cut after packing, so every example fits in a
+  # row (for documents longer than seq_len, as source files mostly are).
+  dt.fim_level = "document"
   # The chat template the model is trained for ("" none, or "chatml": see
   # checkpoints/chat_template.py); exports write it beside the weights.
   dt.chat_template = ""
@@ -244,6 +248,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for name in ("fim_rate", "fim_spm_rate"):
     v = dt.get(name, 0.0)
     _check(isinstance(v, (int, float)) and 0 <= v <= 1, f"data.{name}", f"must be in [0, 1], got {v!r}")
+  _check(dt.get("fim_level", "document") in ("document", "context"), "data.fim_level",
+         f"must be 'document' or 'context', got {dt.get('fim_level')!r}")
   _check(dt.tokenizer_vocab_size >= 300, "data.tokenizer_vocab_size",
          f"must be >= 300 (256 byte pieces + specials + merges), got {dt.tokenizer_vocab_size}")
 

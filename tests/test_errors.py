@@ -27,6 +27,7 @@ def run_module(*args, timeout=240):
     ("data.tokenizer_vocab_size", 100, "data.tokenizer_vocab_size: must be >= 300"),
     ("mesh.data", 0, "mesh.data: must be -1 or a positive int"),
     ("objective", "gpt", "objective: must be one of"),
+    ("data.fim_level", "row", "data.fim_level: must be 'document' or 'context'"),
 ])
 def test_bad_config_values(field, value, message):
   c = load_config("tiny")

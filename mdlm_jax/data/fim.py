@@ -7,7 +7,10 @@ prefix, middle and suffix, and, at `rate`, moved into one of two orders:
     PSM: <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|> middle
     SPM: <|fim_prefix|> <|fim_suffix|> suffix <|fim_middle|> prefix middle
 
-between the usual BOS and EOS. A model trained so infills left to right with
+between the usual BOS and EOS (`data.fim_level` "document"). At level
+"context" the cut is made after packing instead, in token positions, to
+each run of text a training row holds (`FIMFormat.context_tokens`), so
+every example fits in a row whatever the document's length. A model trained so infills left to right with
 prefix and suffix both before the middle, which a block-causal model's KV
 cache holds: at decoding time the prompt is the PSM text up to
 <|fim_middle|>, and the middle is generated until EOS. A checkpoint trained
@@ -59,6 +62,35 @@ class FIMFormat:
       else:
         ids = [self.prefix_id, *prefix, self.suffix_id, *suffix, self.middle_id, *middle]
     return np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], np.int32)
+
+
+  def rearrange(self, ids: Sequence[int], rng: np.random.Generator, *, spm_rate: float = 0.5) -> list[int]:
+    """`ids` cut at two random token positions and moved into PSM or SPM order."""
+    lo, hi = np.sort(rng.integers(0, len(ids) + 1, size=2))
+    prefix, middle, suffix = list(ids[:lo]), list(ids[lo:hi]), list(ids[hi:])
+    if rng.random() < spm_rate:
+      return [self.prefix_id, self.suffix_id, *suffix, self.middle_id, *prefix, *middle]
+    return [self.prefix_id, *prefix, self.suffix_id, *suffix, self.middle_id, *middle]
+
+  def context_tokens(self, row: np.ndarray, boundaries: Sequence[int], rng: np.random.Generator, *, rate: float,
+                     spm_rate: float = 0.5) -> np.ndarray:
+    """Context-level FIM: a packed training row with, at `rate`, each run of
+    text between `boundaries` (BOS, EOS) rearranged on its own, cut back to
+    the row's length (each rearranged run adds three markers). Documents far
+    longer than a row are how code comes: cut before packing, their
+    prefix, suffix and middle would seldom share a row, and a model trained
+    so never sees a whole PSM example of the length it infills."""
+    row = np.asarray(row)
+    special = np.isin(row, np.asarray(list(boundaries), row.dtype))
+    out: list[int] = []
+    start = 0
+    for end in [*np.flatnonzero(special), len(row)]:
+      run = row[start:end].tolist()
+      out += self.rearrange(run, rng, spm_rate=spm_rate) if run and rng.random() < rate else run
+      if end < len(row):
+        out.append(int(row[end]))
+      start = end + 1
+    return np.asarray(out[:len(row)], row.dtype)
 
 
 def format_for(config, tokenizer) -> FIMFormat | None:

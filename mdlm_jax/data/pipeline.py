@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -313,9 +314,22 @@ class _ShardsIterator(grain.DatasetIterator):
 
 def _shard_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *, seq_len: int, rows: int,
                     seed: int, shard: int, num_shards: int, fim_rate: float = 0.0,
-                    fim_spm_rate: float = 0.5) -> grain.DatasetIterator:
+                    fim_spm_rate: float = 0.5, fim_level: str = "document") -> grain.DatasetIterator:
   ds = grain.MapDataset.source(documents)[shard::num_shards]
   ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat(None)
+  if fim_rate > 0 and fim_level == "context":
+    ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    from mdlm_jax.data.fim import FIMFormat
+    fmt, salt = FIMFormat.of(tokenizer), _shuffle_seed(seed + 1)
+
+    def rearrange(row):
+      # Seeded by the row itself: the same on every run and after a resume,
+      # with no state of its own.
+      rng = np.random.default_rng([salt, zlib.crc32(row["tokens"].tobytes())])
+      return {"tokens": fmt.context_tokens(row["tokens"], (tokenizer.bos_id, tokenizer.eos_id), rng,
+                                           rate=fim_rate, spm_rate=fim_spm_rate)}
+    return iter(_PackIterDataset(it, seq_len).map(rearrange).batch(rows, drop_remainder=True))
   if fim_rate > 0:
     # The cut points and the order come from a generator seeded per element,
     # so they are the same on every run and after a resume.
@@ -335,9 +349,10 @@ def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
                         seq_len: int, batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1,
                         num_shards: int | None = None, fim_rate: float = 0.0,
-                        fim_spm_rate: float = 0.5) -> grain.DatasetIterator:
+                        fim_spm_rate: float = 0.5, fim_level: str = "document") -> grain.DatasetIterator:
   """Endless {"tokens": int32 [batch_size, seq_len]} batches for one process.
-  With `fim_rate` > 0, that fraction of documents is rearranged for
+  With `fim_rate` > 0, that fraction of documents (`fim_level` "document")
+  or of the runs of text in each packed row ("context") is rearranged for
   fill-in-the-middle (`data.fim`).
 
   batch_size is per process. The documents are dealt into `num_shards` reader
@@ -349,6 +364,8 @@ def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
   set_state() resumes exactly.
   """
   _check_shape(seq_len, batch_size)
+  if fim_level not in ("document", "context"):
+    raise ValueError(f"fim_level must be 'document' or 'context', got {fim_level!r}")
   num_shards = process_count if num_shards is None else num_shards
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
@@ -363,7 +380,8 @@ def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
         f"{len(documents)} documents cannot be sharded over {num_shards} "
         "reader shards: every shard needs at least one")
   shards = [_shard_iterator(documents, tokenizer, seq_len=seq_len, rows=batch_size // per_process, seed=seed,
-                            shard=s, num_shards=num_shards, fim_rate=fim_rate, fim_spm_rate=fim_spm_rate)
+                            shard=s, num_shards=num_shards, fim_rate=fim_rate, fim_spm_rate=fim_spm_rate,
+                            fim_level=fim_level)
             for s in range(process_index * per_process, (process_index + 1) * per_process)]
   return shards[0] if per_process == 1 else _ShardsIterator(shards)
 

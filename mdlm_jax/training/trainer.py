@@ -280,7 +280,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                   seed=config.data.shuffle_seed, process_index=jax.process_index(),
                                   process_count=jax.process_count(), num_shards=num_reader_shards(config),
                                   fim_rate=float(config.data.get("fim_rate", 0.0)),
-                                  fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)))
+                                  fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)),
+                                  fim_level=config.data.get("fim_level", "document"))
   with jax.set_mesh(mesh):
     params = init_params(spec, config.seed) if init is None else init_from_weights(init, spec, config.train.init_from)
     if init is not None:
