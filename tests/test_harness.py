@@ -66,6 +66,7 @@ def test_ar_loglikelihood_is_exact(ar_lm):
   assert ar_lm._pair("x = ", "1") == ar_lm._pair("x =", " 1")
 
 
+@pytest.mark.slow  # two scorers' compiles; the e2e test scores through the same path
 def test_diffusion_loglikelihood_is_a_seeded_bound(mdlm_lm, tiny_checkpoints):
   reqs = [_instance("loglikelihood", (ctx, c)) for ctx, cs, _ in CHOICES for c in cs]
   first = mdlm_lm.loglikelihood(reqs)

@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import REPO, load_config
 
 
+@pytest.mark.slow  # compiles an 8B model's programs for 256 abstract devices
 def test_llada_8b_on_256_abstract_devices():
   """The 8B train step lowers for a 256-device FSDP mesh without allocating a
   single 8B array; params, Adam state and gradients are 1/256 each."""
