@@ -10,8 +10,8 @@ prefix, middle and suffix, and, at `rate`, moved into one of two orders:
 between the usual BOS and EOS (`data.fim_level` "document"). At level
 "context" the cut is made after packing instead, in token positions, to
 each run of text a training row holds (`FIMFormat.context_tokens`), so
-every example fits in a row whatever the document's length. A model trained so infills left to right with
-prefix and suffix both before the middle, which a block-causal model's KV
+every example fits in a row whatever the document's length. A model
+trained so infills left to right with prefix and suffix both before the middle, which a block-causal model's KV
 cache holds: at decoding time the prompt is the PSM text up to
 <|fim_middle|>, and the middle is generated until EOS. A checkpoint trained
 with `data.fim_rate > 0` is decoded this way by the engine and the CLI.
@@ -57,18 +57,17 @@ class FIMFormat:
     else:
       lo, hi = np.sort(rng.integers(0, len(text) + 1, size=2))
       prefix, middle, suffix = (tokenizer.encode(part) for part in (text[:lo], text[lo:hi], text[hi:]))
-      if rng.random() < spm_rate:
-        ids = [self.prefix_id, self.suffix_id, *suffix, self.middle_id, *prefix, *middle]
-      else:
-        ids = [self.prefix_id, *prefix, self.suffix_id, *suffix, self.middle_id, *middle]
+      ids = self._order(prefix, middle, suffix, spm=rng.random() < spm_rate)
     return np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], np.int32)
-
 
   def rearrange(self, ids: Sequence[int], rng: np.random.Generator, *, spm_rate: float = 0.5) -> list[int]:
     """`ids` cut at two random token positions and moved into PSM or SPM order."""
     lo, hi = np.sort(rng.integers(0, len(ids) + 1, size=2))
-    prefix, middle, suffix = list(ids[:lo]), list(ids[lo:hi]), list(ids[hi:])
-    if rng.random() < spm_rate:
+    return self._order(list(ids[:lo]), list(ids[lo:hi]), list(ids[hi:]), spm=rng.random() < spm_rate)
+
+  def _order(self, prefix: Sequence[int], middle: Sequence[int], suffix: Sequence[int], *, spm: bool) -> list[int]:
+    """The three parts with their markers, in SPM or PSM order."""
+    if spm:
       return [self.prefix_id, self.suffix_id, *suffix, self.middle_id, *prefix, *middle]
     return [self.prefix_id, *prefix, self.suffix_id, *suffix, self.middle_id, *middle]
 

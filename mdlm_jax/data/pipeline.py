@@ -317,32 +317,27 @@ def _shard_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *, seq_l
                     fim_spm_rate: float = 0.5, fim_level: str = "document") -> grain.DatasetIterator:
   ds = grain.MapDataset.source(documents)[shard::num_shards]
   ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat(None)
-  if fim_rate > 0 and fim_level == "context":
-    ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
-    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  if fim_rate > 0:
     from mdlm_jax.data.fim import FIMFormat
     fmt, salt = FIMFormat.of(tokenizer), _shuffle_seed(seed + 1)
-
+  if fim_rate > 0 and fim_level == "document":
+    # The cut points and the order come from a generator seeded per element,
+    # so they are the same on every run and after a resume.
+    ds = ds.random_map(lambda text, rng: fmt.training_tokens(tokenizer, text, rng, rate=fim_rate,
+                                                            spm_rate=fim_spm_rate), seed=salt)
+  else:
+    ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
+  # In-process, unthreaded reads: deterministic and cheap enough for tokenizing.
+  packed = _PackIterDataset(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)), seq_len)
+  if fim_rate > 0 and fim_level == "context":
     def rearrange(row):
       # Seeded by the row itself: the same on every run and after a resume,
       # with no state of its own.
       rng = np.random.default_rng([salt, zlib.crc32(row["tokens"].tobytes())])
       return {"tokens": fmt.context_tokens(row["tokens"], (tokenizer.bos_id, tokenizer.eos_id), rng,
                                            rate=fim_rate, spm_rate=fim_spm_rate)}
-    return iter(_PackIterDataset(it, seq_len).map(rearrange).batch(rows, drop_remainder=True))
-  if fim_rate > 0:
-    # The cut points and the order come from a generator seeded per element,
-    # so they are the same on every run and after a resume.
-    from mdlm_jax.data.fim import FIMFormat
-    fmt = FIMFormat.of(tokenizer)
-    ds = ds.random_map(lambda text, rng: fmt.training_tokens(tokenizer, text, rng, rate=fim_rate,
-                                                            spm_rate=fim_spm_rate),
-                       seed=_shuffle_seed(seed + 1))
-  else:
-    ds = ds.map(lambda text: _doc_tokens(tokenizer, text))
-  # In-process, unthreaded reads: deterministic and cheap enough for tokenizing.
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  return iter(_PackIterDataset(it, seq_len).batch(rows, drop_remainder=True))
+    packed = packed.map(rearrange)
+  return iter(packed.batch(rows, drop_remainder=True))
 
 
 def make_train_iterator(documents: Sequence[str], tokenizer: TokenizerLike, *,
