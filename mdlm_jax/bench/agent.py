@@ -118,8 +118,9 @@ def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> 
     engine.stats.clear()
     t0 = time.perf_counter()
     out = [h.result(timeout=1800) for h in [engine.submit(r) for r in reqs]]
-    if time.perf_counter() - t0 < wall:
-      wall, done, stats = time.perf_counter() - t0, out, dict(engine.stats)
+    seconds = time.perf_counter() - t0
+    if seconds < wall:
+      wall, done, stats = seconds, out, dict(engine.stats)
   rows = [list(r.prompt_ids) + engine.tok.encode(d.text) for r, d in zip(reqs, done)]
   nll, scored = scorer(rows, [len(r.prompt_ids) for r in reqs])
   engine.close(deadline_s=5)

@@ -108,12 +108,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 
   @app.get("/metrics")
   async def metrics():
+    compiled = engine.compiled()
     return PlainTextResponse(state.metrics.render(engine.queue_depth(), engine.active_requests(), engine.num_slots,
                                                   engine.finish_reasons(),
                                                   (engine.kv_cache_bytes, engine.kv_tokens_in_use(),
                                                    engine.num_slots * engine.sc.context),
-                                                  {"pass": (c := engine.compiled())["passes"],
-                                                   "prefill": c["prefills"]}),
+                                                  {"pass": compiled["passes"], "prefill": compiled["prefills"]}),
                              media_type="text/plain; version=0.0.4")
 
   @app.get("/v1/models")
