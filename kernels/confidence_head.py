@@ -41,7 +41,13 @@ class HeadSettings:
   """Static settings of one head call."""
 
   temperature: float = 1.0  # 0: argmax
-  exclude_id: int = -1  # a token never proposed (the [MASK] id under SUBS); -1: none
+  # Tokens never proposed: the [MASK] id under SUBS, and the markers a model
+  # reads but never writes (`tokenizer.never_generated`).
+  exclude_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not all(isinstance(i, int) and i >= 0 for i in self.exclude_ids):
+      raise ValueError(f"exclude_ids must be a tuple of token ids >= 0, got {self.exclude_ids!r}")
 
 
 def _logits(hidden2d, w):
@@ -58,8 +64,8 @@ def confidence_head_reference(
   and Gumbel-max (argmax when `settings.temperature` is 0 or `bits` is None)."""
   b, t, d = hidden.shape
   logits = _logits(hidden.reshape(b * t, d), w).reshape(b, t, -1)
-  if settings.exclude_id >= 0:
-    logits = logits.at[..., settings.exclude_id].set(NEG_INF)
+  if settings.exclude_ids:
+    logits = logits.at[..., list(settings.exclude_ids)].set(NEG_INF)
   logp = jax.nn.log_softmax(logits, axis=-1)
   y = logits if bits is None or settings.temperature == 0 else logits / settings.temperature + gumbel_float32(bits)
   token = jnp.argmax(y, axis=-1).astype(jnp.int32)
@@ -82,8 +88,8 @@ def _tile_update(state, logits, y, col):
 
 def _tile_scores(h, w_tile, bits_tile, col, v: int, st: HeadSettings):
   logits = _dot(h, w_tile)
-  if st.exclude_id >= 0:
-    logits = jnp.where(col == st.exclude_id, NEG_INF, logits)
+  for i in st.exclude_ids:  # a handful of ids: unrolled compares
+    logits = jnp.where(col == i, NEG_INF, logits)
   logits = jnp.where(col < v, logits, -jnp.inf)
   y = logits if bits_tile is None else logits / st.temperature + gumbel_float32(bits_tile)
   return logits, jnp.where(col < v, y, -jnp.inf)

@@ -23,9 +23,9 @@ def _kernel():
   import triton.language as tl
 
   @triton.jit
-  def head_kernel(h_ptr, w_ptr, bits_ptr, tok_ptr, prob_ptr, maxp_ptr, n, v, d,
+  def head_kernel(h_ptr, w_ptr, bits_ptr, exclude_ptr, tok_ptr, prob_ptr, maxp_ptr, n, v, d,
                   BN: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr, TEMPERATURE: tl.constexpr,
-                  EXCLUDE: tl.constexpr, SAMPLE: tl.constexpr, NEG: tl.constexpr):
+                  NUM_EXCLUDED: tl.constexpr, SAMPLE: tl.constexpr, NEG: tl.constexpr):
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     dd = tl.arange(0, BD)
     h = tl.load(h_ptr + rows[:, None] * d + dd[None, :], mask=(rows[:, None] < n) & (dd[None, :] < d), other=0.0)
@@ -39,8 +39,8 @@ def _kernel():
       inside = cols[None, :] < v
       w = tl.load(w_ptr + dd[:, None] * v + cols[None, :], mask=(dd[:, None] < d) & inside, other=0.0)
       logits = tl.dot(h, w.to(h.dtype))
-      if EXCLUDE >= 0:
-        logits = tl.where(cols[None, :] == EXCLUDE, NEG, logits)
+      for k in tl.static_range(NUM_EXCLUDED):
+        logits = tl.where(cols[None, :] == tl.load(exclude_ptr + k), NEG, logits)
       logits = tl.where(inside, logits, float("-inf"))
       if SAMPLE:
         hi = tl.load(bits_ptr + rows[:, None] * v + cols[None, :], mask=(rows[:, None] < n) & inside, other=0)
@@ -81,9 +81,11 @@ def confidence_head_triton(hidden, w, bits, settings: HeadSettings = HeadSetting
   out_shape = [jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32),
                jax.ShapeDtypeStruct((n,), jnp.float32)]
   bd = max(16, 1 << (d - 1).bit_length())
+  excluded = jnp.asarray(settings.exclude_ids or (0,), jnp.int32)  # read only when NUM_EXCLUDED > 0
   tok, prob, maxp = jt.triton_call(
-      h2, w.astype(hidden.dtype), bits2, n, v, d, kernel=_kernel(), out_shape=out_shape,
+      h2, w.astype(hidden.dtype), bits2, excluded, n, v, d, kernel=_kernel(), out_shape=out_shape,
       grid=(-(-n // blocks.block_rows),), BN=blocks.block_rows, BV=blocks.block_vocab, BD=bd,
-      TEMPERATURE=float(settings.temperature) if sample else 1.0, EXCLUDE=settings.exclude_id, SAMPLE=sample,
+      TEMPERATURE=float(settings.temperature) if sample else 1.0, NUM_EXCLUDED=len(settings.exclude_ids),
+      SAMPLE=sample,
       NEG=NEG_INF)
   return tok.reshape(b, t), prob.reshape(b, t), maxp.reshape(b, t)

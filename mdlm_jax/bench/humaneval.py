@@ -209,17 +209,12 @@ class ARBackend:
   prompt, for a checkpoint trained with it."""
 
   def __init__(self, loaded, *, temperature: float, batch: int = 8):
-    from mdlm_jax.data import fim
     from mdlm_jax.sampling.generate import ARGenerator
     self.gen, self.temperature, self.batch = ARGenerator(loaded), temperature, batch
-    self.fim = fim.format_for(loaded.config, loaded.tokenizer)
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:
-    from mdlm_jax.data import fim
-    if any(suffixes):
-      if self.fim is None:
-        raise ValueError("this AR checkpoint was not trained with fill-in-the-middle: run --modes=complete")
-      prefixes = [fim.PREFIX + p + fim.SUFFIX + s + fim.MIDDLE for p, s in zip(prefixes, suffixes)]
+    if any(suffixes) and self.gen.fim is None:
+      raise ValueError("this AR checkpoint was not trained with fill-in-the-middle: run --modes=complete")
     lengths = _each(max_tokens, len(prefixes))
     out = [""] * len(prefixes)
     for n in sorted(set(lengths)):  # rows of one length decode together
@@ -227,7 +222,8 @@ class ARBackend:
       for lo in range(0, len(idx), self.batch):
         part = idx[lo:lo + self.batch]
         r = self.gen.generate([prefixes[i] for i in part], max_new_tokens=n, stop=stop, seed=seed,
-                              temperature=self.temperature)
+                              temperature=self.temperature,
+                              suffixes=[suffixes[i] for i in part] if any(suffixes) else None)
         for i, c in zip(part, r.completions):
           out[i] = c.text
     return out

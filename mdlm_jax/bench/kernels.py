@@ -88,7 +88,7 @@ def time_head(lengths, a) -> dict:
     flops = 2 * a.batch * length * a.embed_dim * a.vocab
     row = {}
     for impl in impls + ("xla",):
-      fn = jax.jit(lambda h, w, b, impl=impl: kernels.confidence_head(h, w, b, kernels.HeadSettings(1.0, 0),
+      fn = jax.jit(lambda h, w, b, impl=impl: kernels.confidence_head(h, w, b, kernels.HeadSettings(1.0, (0,)),
                                                                       implementation=impl))
       try:
         t = _time(fn, hidden, w, bits, repeats=a.repeats)
@@ -120,7 +120,7 @@ def check_numerics() -> dict:
   hidden = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(32, 300)) / 6, jnp.float32)
   bits = jax.random.bits(jax.random.key(1), (2, 8, 300), jnp.uint32)
-  st = kernels.HeadSettings(1.0, 0)
+  st = kernels.HeadSettings(1.0, (0,))
   got = jax.jit(lambda h: kernels.confidence_head_pallas(h, w, bits, st, interpret=True))(hidden)
   ref = kernels.confidence_head_reference(hidden, w, bits, st)
   out["confidence_head"] = {"tokens_equal": bool((np.asarray(got[0]) == np.asarray(ref[0])).all()),

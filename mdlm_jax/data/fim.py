@@ -36,9 +36,6 @@ class FIMFormat:
   @classmethod
   def of(cls, tokenizer) -> "FIMFormat":
     """The format in `tokenizer`'s ids; ValueError naming a missing piece."""
-    if not hasattr(tokenizer, "piece_id"):
-      raise ValueError("fill-in-the-middle needs a tokenizer with the FIM pieces (train one with"
-                       " `python -m mdlm_jax.tokenizer train --chat-fim-pieces`)")
     try:
       return cls(*(tokenizer.piece_id(p) for p in (PREFIX, SUFFIX, MIDDLE)))
     except ValueError as e:

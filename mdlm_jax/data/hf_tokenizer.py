@@ -170,6 +170,14 @@ class HFTokenizer:
     ids = checked_ids(ids, self._vocab)
     return self._tk.decode(ids[~np.isin(ids, self._special)].tolist(), skip_special_tokens=True)
 
+  def piece_id(self, piece: str) -> int:
+    """The id of a whole token (a chat or FIM marker); ValueError if the
+    vocabulary has no such token."""
+    i = self._tk.token_to_id(piece)
+    if i is None:
+      raise ValueError(f"the tokenizer has no token {piece!r}")
+    return i
+
   def piece(self, token_id: int) -> str:
     """The vocabulary token of one id ("" for the model's padding rows)."""
     return self._tk.id_to_token(int(token_id)) or ""

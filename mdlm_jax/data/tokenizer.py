@@ -35,6 +35,11 @@ MASK_PIECE = "[MASK]"
 # always one piece when they occur, and decoded back to the same text.
 CHAT_AND_FIM_PIECES = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
                        "</tool_response>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+# Of those, the ones a model reads and never writes: a generation ends with
+# EOS or <|im_end|> and may open tool calls, but it never opens a turn, a
+# tool's response or a FIM section (`never_generated`).
+READ_ONLY_PIECES = ("<|im_start|>", "<tool_response>", "</tool_response>", "<|fim_prefix|>", "<|fim_suffix|>",
+                    "<|fim_middle|>")
 _SPACE_MARK = "\u2581"  # sentencepiece's stand-in for " ".
 _META_PIECES = 5  # <unk> <s> </s> <pad> [MASK]
 _MIN_VOCAB = _META_PIECES + 256 + 16  # bytes must fit, plus a few characters.
@@ -219,6 +224,20 @@ class Tokenizer:
     if i == self._sp.unk_id() and piece != self._sp.id_to_piece(i):
       raise ValueError(f"the tokenizer has no piece {piece!r}")
     return i
+
+
+def never_generated(tokenizer) -> tuple[int, ...]:
+  """Ids no sampler proposes: [MASK], BOS, PAD and UNK (any that is not also
+  EOS), and the READ_ONLY_PIECES the vocabulary has. A model that puts high
+  probability on a FIM marker inside an answer (a half-trained one does)
+  would otherwise write it into the text."""
+  ids = {tokenizer.mask_id, tokenizer.bos_id, tokenizer.pad_id, tokenizer.unk_id}
+  for piece in READ_ONLY_PIECES:
+    try:
+      ids.add(tokenizer.piece_id(piece))
+    except ValueError:
+      pass
+  return tuple(sorted(i for i in ids if i >= 0 and i != tokenizer.eos_id))
 
 
 # ------------------------------------------------------------------ training

@@ -32,6 +32,7 @@ import numpy as np
 
 from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
+from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import decoding_pair
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.model.kv_cache import KVCache
@@ -250,7 +251,8 @@ class Engine:
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, min(max_new_tokens, (context - 1) // bs * bs),
-                                   tok.mask_id, tok.eos_id, loaded.spec.cfg.vocab_size, context)
+                                   tok.mask_id, tok.eos_id, loaded.spec.cfg.vocab_size, context,
+                                   read_only_ids=never_generated(tok))
     self.max_queue = max_queue
     if admit_batch < 1:
       raise ValueError(f"admit_batch must be positive, got {admit_batch}")

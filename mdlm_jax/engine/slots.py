@@ -74,6 +74,12 @@ class SlotConfig:
   # generation rounded up to blocks (0: max_prompt + max_new_tokens). Every
   # slot reserves this much, so it is what the engine's memory is made of.
   max_context: int = 0
+  # Ids besides [MASK] that no pass proposes (`tokenizer.never_generated`).
+  read_only_ids: tuple[int, ...] = ()
+
+  @property
+  def never_proposed(self) -> tuple[int, ...]:
+    return tuple(sorted({self.mask_id, *self.read_only_ids}))
 
   @property
   def context(self) -> int:
@@ -194,8 +200,8 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   keys = rule.pass_keys(s.key, s.block, s.step)
   if guided:
     logits = _allow_at_cursor(logits, s, lo)
-  x0, conf = rule.propose(logits, keys, columns, sc.mask_id, d.temperature, d.top_p)
-  top = _top_logprobs(logits, sc.mask_id) if logprobs else None
+  x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
+  top = _top_logprobs(logits, sc.never_proposed) if logprobs else None
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.commit(conf, candidates, d.threshold, d.min_tokens)
   commit = picked & ~s.constrained[:, None] if guided else picked
@@ -213,12 +219,12 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   return _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
 
 
-def _top_logprobs(logits, mask_id: int):
+def _top_logprobs(logits, never: tuple[int, ...]):
   """(log-probs [b, t, K], ids [b, t, K]) of each position's most likely
-  tokens, [MASK] excluded."""
+  tokens, those never proposed excluded."""
   if isinstance(logits, kernels.HeadInput):
     logits = logits.logits()
-  lsm = jax.nn.log_softmax(logits.astype(jnp.float32).at[..., mask_id].set(-jnp.inf), axis=-1)
+  lsm = jax.nn.log_softmax(logits.astype(jnp.float32).at[..., list(never)].set(-jnp.inf), axis=-1)
   vals, ids = lax.top_k(lsm, TOP_LOGPROBS)
   return vals, ids.astype(jnp.int32)
 

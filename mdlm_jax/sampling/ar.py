@@ -24,11 +24,14 @@ if TYPE_CHECKING:
 
 
 def sample_token(logits: Float[Array, "b v"], key: PRNGKeyArray, *, temperature: float,
-                 top_p: float) -> Int[Array, "b"]:
+                 top_p: float, never: tuple[int, ...] = ()) -> Int[Array, "b"]:
   """Argmax when temperature == 0; else Gumbel-max over the top-p nucleus of
   softmax(logits / temperature), the noise in float64 on CPU (see `gumbel`).
-  The nucleus always keeps the most likely token, so a tiny top_p is greedy."""
+  The nucleus always keeps the most likely token, so a tiny top_p is greedy.
+  The ids in `never` are never sampled."""
   logits = logits.astype(jnp.float32)
+  if never:
+    logits = logits.at[:, list(never)].set(-jnp.inf)
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
@@ -42,12 +45,15 @@ class ARSampler:
   """Ancestral sampling from a causal model; hashable, so static under jit.
 
   max_new_tokens: tokens generated per row (exactly, unless EOS comes first);
-  temperature: 0 = greedy; top_p: nucleus mass, 1.0 = off.
+  temperature: 0 = greedy; top_p: nucleus mass, 1.0 = off; never: ids never
+  sampled (the markers a model reads but never writes,
+  `tokenizer.never_generated`).
   """
 
   max_new_tokens: int
   temperature: float = 1.0
   top_p: float = 1.0
+  never: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -81,7 +87,8 @@ def _generate(sampler: ARSampler, graphdef, params, prompt, prompt_valid, key, e
   model = nnx.merge(graphdef, params)
   b, p = prompt.shape
   n = sampler.max_new_tokens
-  sample = functools.partial(sample_token, temperature=sampler.temperature, top_p=sampler.top_p)
+  sample = functools.partial(sample_token, temperature=sampler.temperature, top_p=sampler.top_p,
+                             never=sampler.never)
   # Positions count real tokens only, so a row's result does not depend on its padding.
   positions = jnp.maximum(jnp.cumsum(prompt_valid, axis=1, dtype=jnp.int32) - 1, 0)
   num_real = jnp.sum(prompt_valid, axis=1, dtype=jnp.int32)

@@ -17,6 +17,7 @@ from mdlm_jax import kernels
 from mdlm_jax.parallel import sharding
 from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
+from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import bind, decoding_pair, for_decoding
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
@@ -149,7 +150,8 @@ class Generator:
       suffix_len = canvas.shape[1] - end if cached else 0
       # The suffix starts right after max_new_tokens (the blocks' extra tokens are cut).
       canvas.positions[:, end:] -= gen_len - max_new_tokens
-    layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id, suffix_len)
+    layout = Layout(canvas.gen_start, canvas.gen_len, self.tok.mask_id, self.tok.eos_id, suffix_len,
+                    read_only_ids=never_generated(self.tok))
     if on_draft is not None:
       def on_step(step, tokens):
         tokens = np.asarray(tokens)
@@ -230,18 +232,25 @@ class ARGenerator:
       raise ValueError("this checkpoint is a diffusion model; use Generator")
     loaded = for_decoding(loaded, weight_layout)
     self.loaded, self.mesh, self.tok = loaded, mesh, loaded.tokenizer
+    self.fim = fim.format_for(loaded.config, self.tok)  # a twin trained with FIM infills from the PSM prompt
 
-  def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
-    return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+  def encode_prompt(self, text: str, add_bos: bool = True, suffix: str | None = None) -> list[int]:
+    if suffix is None:
+      return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+    if self.fim is None:
+      raise ValueError("this autoregressive checkpoint was not trained with fill-in-the-middle (data.fim_rate),"
+                       " so it cannot infill: leave out the suffix")
+    return self.fim.prompt(self.tok.bos_id if add_bos else None, self.tok.encode(text), self.tok.encode(suffix))
 
   def generate(self, prompts: Sequence[str], *, max_new_tokens: int, sampler=None, seed: int = 0,
                stop: Sequence[str] = (), add_bos: bool = True, temperature: float = 0.0,
-               top_p: float = 1.0, **unused) -> Result:
+               top_p: float = 1.0, suffixes: Sequence[str] | None = None, **unused) -> Result:
     from mdlm_jax.sampling.ar import ARSampler
-    if unused.get("suffixes") is not None:
-      raise ValueError("an autoregressive model cannot fill in the middle (no --suffix)")
     sampler = sampler or ARSampler(max_new_tokens, temperature=temperature, top_p=top_p)
-    ids = [self.encode_prompt(p, add_bos) for p in prompts]
+    sampler = dataclasses.replace(sampler, never=tuple(sorted({*sampler.never, *never_generated(self.tok)})))
+    if suffixes is not None and len(suffixes) != len(prompts):
+      raise ValueError(f"{len(suffixes)} suffixes for {len(prompts)} prompts")
+    ids = [self.encode_prompt(p, add_bos, None if suffixes is None else suffixes[i]) for i, p in enumerate(prompts)]
     width = max(16, -(-max(len(i) for i in ids) // 16) * 16)
     tokens = np.full((len(ids), width), self.tok.pad_id, np.int32)
     valid = np.zeros((len(ids), width), bool)

@@ -82,10 +82,17 @@ def noise_words(keys: jax.Array, columns, vocab: int) -> jax.Array:
   return jnp.transpose(jax.vmap(row)(keys, columns), (2, 0, 1, 3))
 
 
-def propose(logits, keys: jax.Array, columns, mask_id: int, temperature, top_p=1.0):
+def exclude(logits, ids: tuple[int, ...]):
+  """float32 logits with `ids` at NEG_INF: tokens no pass proposes."""
+  logits = logits.astype(jnp.float32)
+  return logits.at[..., list(ids)].set(NEG_INF) if ids else logits
+
+
+def propose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperature, top_p=1.0):
   """(x0 [B, T] int32, confidence [B, T] float32) for one pass; `keys` [B, 2]
   this pass's row keys (`pass_keys`), `columns` [T] or [B, T] the positions'
-  columns in the generation region.
+  columns in the generation region, `never` the ids no position may take
+  ([MASK] and the read-only markers: `Layout.never_proposed`).
 
   `temperature`, `top_p`: Python floats (settings fixed at trace time) or
   per-row arrays [B]. `logits` may be a `kernels.HeadInput`: with a static
@@ -97,11 +104,11 @@ def propose(logits, keys: jax.Array, columns, mask_id: int, temperature, top_p=1
     if head.fused and static and top_p >= 1.0:
       bits = noise_words(keys, columns, head.w_dv.shape[1])[0] if temperature > 0 else None
       x0, conf, _ = kernels.confidence_head(head.hidden, head.w_dv, bits,
-                                            kernels.HeadSettings(float(temperature), mask_id),
+                                            kernels.HeadSettings(float(temperature), tuple(never)),
                                             implementation=head.implementation)
       return x0, conf
     logits = head.logits()
-  logits = logits.astype(jnp.float32).at[..., mask_id].set(NEG_INF)
+  logits = exclude(logits, tuple(never))
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def sampled():

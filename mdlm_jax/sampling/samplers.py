@@ -48,6 +48,13 @@ class Layout:
   # Columns after the generation region that hold a suffix to infill against
   # (0: none). Cached decoding encodes them into the cache with the prompt.
   suffix_len: int = 0
+  # Ids besides [MASK] that no position takes: the markers the model reads
+  # but never writes (`tokenizer.never_generated`).
+  read_only_ids: tuple[int, ...] = ()
+
+  @property
+  def never_proposed(self) -> tuple[int, ...]:
+    return tuple(sorted({self.mask_id, *self.read_only_ids}))
 
 
 def _record(drafts, n, tokens, record: bool, emit=None):
@@ -92,7 +99,7 @@ class _ConfidenceBase:
     return {"threshold": 0.5, "min_tokens": 1, "temperature": self.temperature, "top_p": self.top_p}
 
   def _propose(self, logits, keys, columns, lay: Layout):
-    return rule.propose(logits, keys, columns, lay.mask_id, self.temperature, self.top_p)
+    return rule.propose(logits, keys, columns, lay.never_proposed, self.temperature, self.top_p)
 
   @property
   def is_block_causal(self) -> bool:
@@ -338,7 +345,7 @@ class AncestralSampler:
       p_unmask = (a_t - a_s) / (1.0 - a_s)
       u = jax.vmap(lambda k: jax.random.uniform(jax.random.wrap_key_data(k), (L,)))(rule.pass_keys(keys, i, 1))
       unmask = masked & (u < p_unmask)
-      x0, _ = rule.propose(logits, rule.pass_keys(keys, i, 0), jnp.arange(L), lay.mask_id, self.temperature)
+      x0, _ = rule.propose(logits, rule.pass_keys(keys, i, 0), jnp.arange(L), lay.never_proposed, self.temperature)
       new = jnp.where(unmask, x0, s["tokens"])
       drafts, n = _record(s["drafts"], s["n_drafts"], new, record, emit)
       return {"tokens": new, "logits": logits, "cache_ok": ~jnp.any(unmask),
@@ -354,7 +361,7 @@ class AncestralSampler:
         jnp.any(masked),
         lambda: logits_for(s["tokens"], ts[-1], s["logits"], s["cache_ok"]),
         lambda: (s["logits"], jnp.zeros((), jnp.int32)))
-    x0 = jnp.argmax(logits.astype(jnp.float32).at[..., lay.mask_id].set(NEG_INF), axis=-1).astype(jnp.int32)
+    x0 = jnp.argmax(rule.exclude(logits, lay.never_proposed), axis=-1).astype(jnp.int32)
     tokens = jnp.where(masked, x0, s["tokens"])
     drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
     return {"tokens": tokens, "nfe": s["nfe"] + ran, "steps": jnp.asarray(self.steps + 1, jnp.int32),

@@ -71,4 +71,4 @@ def test_unusable_checkpoints(checkpoints, tmp_path):
   r = run(f"--checkpoint={tmp_path / 'empty'}", "--prompt=x")
   assert r.returncode != 0 and "no checkpoint found" in r.stderr
   r = run(f"--checkpoint={checkpoints['ar']}", "--prompt=x", "--suffix=y")
-  assert r.returncode != 0 and "cannot fill in the middle" in r.stderr and "Traceback" not in r.stderr
+  assert r.returncode != 0 and "cannot infill" in r.stderr and "Traceback" not in r.stderr
