@@ -89,7 +89,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Fill-in-the-middle (data/fim.py): the fraction of training documents cut
   # into prefix, middle and suffix and rearranged, and of those the fraction in
   # SPM rather than PSM order. > 0 needs the FIM pieces in the tokenizer, and
-  # makes the engine and the CLI infill in that format.
+  # makes the engine and the CLI infill in that format. In a chat run
+  # (data.kind) it is the share of rows drawn from the folder's infill
+  # records, which are cut already and always PSM (the engine's prompt).
   dt.fim_rate = 0.0
   dt.fim_spm_rate = 0.5
   # "document": each document is cut before packing; "context": each run of

@@ -12,6 +12,11 @@ with `loss_mask` True over the response and every EOS after it: padding with
 EOS that the loss covers teaches the model to end its answer, so that the
 length of a generation follows the answer, not the canvas. Conversations
 longer than seq_len are left out (counted), never cut.
+
+An infill record (`{"fim": {"prefix", "middle", "suffix"}}`) becomes the
+same kind of row with the PSM prompt (`data/fim.py`) and the middle as the
+response, so instruction tuning keeps (and sharpens) infilling. A run draws
+`data.fim_rate` of its rows from those (`train_iterator`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,14 @@ class ChatRows:
   tokens: np.ndarray  # int32 [n, seq_len]
   loss_mask: np.ndarray  # bool [n, seq_len]
   too_long: int  # conversations left out
+  infill: np.ndarray | None = None  # bool [n]: the row is an infill record (None: none is)
+
+  @property
+  def is_infill(self) -> np.ndarray:
+    return np.zeros(len(self.tokens), bool) if self.infill is None else self.infill
+
+  def take(self, index) -> "ChatRows":
+    return ChatRows(self.tokens[index], self.loss_mask[index], self.too_long, self.is_infill[index])
 
 
 def split_response(template: str, conversation: dict) -> tuple[str, str]:
@@ -46,12 +59,29 @@ def split_response(template: str, conversation: dict) -> tuple[str, str]:
   return prompt, full[len(prompt):]
 
 
+def text_of(record: dict, template: str) -> str:
+  """The whole text of a record (what a tokenizer trained for the run reads)."""
+  if "fim" in record:
+    f = record["fim"]
+    return f["prefix"] + f["middle"] + f["suffix"]
+  return chat_template.render(template, record["messages"], tools=record.get("tools"))
+
+
 def rows(conversations: Iterable[dict], tokenizer, template: str, seq_len: int) -> ChatRows:
-  tokens, masks, too_long = [], [], 0
+  tokens, masks, infill, too_long = [], [], [], 0
+  fmt = None
   for conv in conversations:
-    prompt, response = split_response(template, conv)
-    p = [tokenizer.bos_id] + tokenizer.encode(prompt)
-    r = tokenizer.encode(response) + [tokenizer.eos_id]
+    if "fim" in conv:
+      if fmt is None:
+        from mdlm_jax.data.fim import FIMFormat  # pylint: disable=import-outside-toplevel
+        fmt = FIMFormat.of(tokenizer)
+      f = conv["fim"]
+      p = fmt.prompt(tokenizer.bos_id, tokenizer.encode(f["prefix"]), tokenizer.encode(f["suffix"]))
+      r = tokenizer.encode(f["middle"]) + [tokenizer.eos_id]
+    else:
+      prompt, response = split_response(template, conv)
+      p = [tokenizer.bos_id] + tokenizer.encode(prompt)
+      r = tokenizer.encode(response) + [tokenizer.eos_id]
     if len(p) + len(r) > seq_len:
       too_long += 1
       continue
@@ -61,9 +91,10 @@ def rows(conversations: Iterable[dict], tokenizer, template: str, seq_len: int) 
     mask[len(p):] = True
     tokens.append(row)
     masks.append(mask)
+    infill.append("fim" in conv)
   if not tokens:
     raise ValueError(f"no conversation fits in seq_len={seq_len} tokens ({too_long} longer)")
-  return ChatRows(np.stack(tokens), np.stack(masks), too_long)
+  return ChatRows(np.stack(tokens), np.stack(masks), too_long, np.asarray(infill, bool))
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -76,23 +107,49 @@ def read_jsonl(path: str) -> list[dict]:
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-      if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-        raise ValueError(f"{path}:{n}: a conversation is an object with a 'messages' array")
+      fim = record.get("fim") if isinstance(record, dict) else None
+      if fim is not None:
+        if not (isinstance(fim, dict) and all(isinstance(fim.get(k), str) for k in ("prefix", "middle", "suffix"))):
+          raise ValueError(f"{path}:{n}: an infill record's 'fim' is an object with string 'prefix', 'middle'"
+                           " and 'suffix'")
+      elif not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        raise ValueError(f"{path}:{n}: a record is an object with a 'messages' array (a conversation) or a"
+                         " 'fim' object (an infill)")
       out.append(record)
   return out
 
 
-def train_iterator(data: ChatRows, batch_size: int, seed: int, *, process_index: int = 0,
-                   process_count: int = 1):
+def select(data: ChatRows, infill_rate: float) -> ChatRows:
+  """The rows a run with this share of infill rows reads: conversations only
+  at 0, infills only at 1, both otherwise."""
+  if infill_rate <= 0:
+    return data.take(~data.is_infill)
+  return data.take(data.is_infill) if infill_rate >= 1 else data
+
+
+def train_iterator(data: ChatRows, batch_size: int, seed: int, *, infill_rate: float = 0.0,
+                   process_index: int = 0, process_count: int = 1):
   """Endless shuffled batches {"tokens", "loss_mask"} of this process's rows
-  (every process_count-th), a new order each epoch; a grain iterator, so its
-  position is saved in checkpoints and restored on resume."""
+  (every process_count-th), a new order each epoch, `infill_rate` of them
+  (in expectation over a batch, exactly over the stream) infill rows; a grain
+  iterator, so its position is saved in checkpoints and restored on resume."""
   import grain
-  n = len(data.tokens[process_index::process_count])
-  if batch_size > n:
-    raise ValueError(f"a batch of {batch_size} is more than this process's {n} conversations")
-  ds = grain.MapDataset.range(len(data.tokens))[process_index::process_count]
-  ds = ds.shuffle(seed=seed).repeat(None).map(lambda i: {"tokens": data.tokens[i], "loss_mask": data.loss_mask[i]})
+  mine = np.arange(len(data.tokens))[process_index::process_count]
+  if batch_size > len(mine):
+    raise ValueError(f"a batch of {batch_size} is more than this process's {len(mine)} conversations")
+  kinds = data.is_infill[mine]
+  pools, weights = [], []
+  for salt, (rows_, weight) in enumerate(((mine[~kinds], 1.0 - infill_rate), (mine[kinds], infill_rate))):
+    if weight <= 0:
+      continue
+    if not len(rows_):
+      what = "infill records" if salt else "conversations"
+      raise ValueError(f"data.fim_rate={infill_rate} draws rows from the folder's {what}, but it has none")
+    pools.append(grain.MapDataset.range(len(rows_)).map(lambda j, r=rows_: int(r[j]))
+                 .shuffle(seed=seed + salt).repeat(None))
+    weights.append(weight)
+  ds = pools[0] if len(pools) == 1 else grain.MapDataset.mix(pools, weights)
+  ds = ds.map(lambda i: {"tokens": data.tokens[i], "loss_mask": data.loss_mask[i]})
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   return iter(it.batch(batch_size, drop_remainder=True))
 

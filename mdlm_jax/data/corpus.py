@@ -398,7 +398,8 @@ def main(argv=None) -> int:
   i = sub.add_parser("instructions", help="mine conversations from a corpus (data/instructions.py)")
   i.add_argument("--corpus", required=True, help="a built corpus folder (or any corpus data.corpus takes)")
   i.add_argument("--out", required=True, help="folder for train.jsonl and heldout.jsonl")
-  i.add_argument("--per-file", type=int, default=2, help="write examples per file (plus one tool call)")
+  i.add_argument("--per-file", type=int, default=2,
+                 help="functions per file, each a write and an infill example (plus one tool call per file)")
   i.add_argument("--seed", type=int, default=0)
   i.add_argument("--validation-fraction", type=float, default=0.01, help="the held-out split, as in training")
   a = p.parse_args(argv)
@@ -407,7 +408,8 @@ def main(argv=None) -> int:
     if a.per_file < 1 or not 0 < a.validation_fraction < 1:
       p.error("--per-file must be >= 1 and --validation-fraction in (0, 1)")
     counts = instructions.build(a.corpus, a.out, per_file=a.per_file, seed=a.seed,
-                                validation_fraction=a.validation_fraction)
+                                validation_fraction=a.validation_fraction,
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(counts))
     return 0
   if a.jobs < 1 or a.limit < 0 or a.max_file_bytes < 1 or a.shard_mib < 1:

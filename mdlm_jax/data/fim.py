@@ -37,6 +37,8 @@ class FIMFormat:
   def of(cls, tokenizer) -> "FIMFormat":
     """The format in `tokenizer`'s ids; ValueError naming a missing piece."""
     try:
+      if not hasattr(tokenizer, "piece_id"):
+        raise ValueError("the tokenizer has no FIM pieces")
       return cls(*(tokenizer.piece_id(p) for p in (PREFIX, SUFFIX, MIDDLE)))
     except ValueError as e:
       raise ValueError(f"{e}: train the tokenizer with --chat-fim-pieces for fill-in-the-middle") from None

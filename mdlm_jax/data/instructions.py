@@ -2,15 +2,19 @@
 
     python -m mdlm_jax.corpus instructions --corpus DIR --out DIR [--per-file 2] [--seed 0]
 
-Two kinds of conversation, as jsonl records `{"messages": [...], "tools":
-[...], "source": ...}` that the chat template (`checkpoints.chat_template`)
-renders:
+Three kinds of example, as jsonl records. Two are conversations,
+`{"messages": [...], "tools": [...]}`, that the chat template
+(`checkpoints.chat_template`) renders:
 - write: the user gives a function's signature and docstring, the assistant
   answers with the whole function (the docstring-to-body task HumanEval asks);
 - call: a real function's signature becomes a tool schema (its annotated
   parameters as JSON Schema types, its docstring's first paragraph as the
   description), offered beside two other functions' schemas; the user asks
   for it with arguments, and the assistant answers with the tool call.
+The third, `{"fim": {"prefix", "middle", "suffix"}}`, is infilling in the
+fill-in-the-middle format (`data/fim.py`): one line of a function's body
+after its docstring is the middle, the file's imports and the function
+around it prefix and suffix, as HumanEval-infilling cuts its single lines.
 
 Files of the corpus's validation split go to `heldout.jsonl`, the rest to
 `train.jsonl`, so held-out functions never appear in training.
@@ -24,11 +28,13 @@ import json
 import os
 import random
 import textwrap
-from typing import Iterator, Sequence
+import time
+from typing import Callable, Iterator, Sequence
 
 JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean", "list": "array",
               "dict": "object", "List": "array", "Dict": "object", "Sequence": "array", "Mapping": "object"}
 MAX_BODY_LINES = 40
+PROGRESS_EVERY = 5000  # files between progress lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +44,7 @@ class Function:
   source: str  # the whole function, dedented
   doc: str
   params: tuple[tuple[str, str | None, object], ...]  # (name, JSON type or None, default or MISSING)
+  imports: str = ""  # the file's top-level import statements, as written
 
 
 MISSING = object()
@@ -62,6 +69,8 @@ def functions(text: str) -> Iterator[Function]:
   except (SyntaxError, ValueError):
     return
   lines = text.splitlines(keepends=True)
+  imports = "".join("".join(lines[n.lineno - 1:n.end_lineno]) for n in tree.body
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) and n.col_offset == 0)
   for node in tree.body:
     if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
       continue
@@ -86,13 +95,25 @@ def functions(text: str) -> Iterator[Function]:
           default = MISSING
       params.append((a.arg, _json_type(a.annotation), default))
     yield Function(node.name, textwrap.dedent("".join(lines[start:doc_end])).rstrip() + "\n",
-                   textwrap.dedent("".join(lines[start:end])).rstrip() + "\n", doc, tuple(params))
+                   textwrap.dedent("".join(lines[start:end])).rstrip() + "\n", doc, tuple(params), imports)
 
 
 def write_example(fn: Function) -> dict:
   return {"messages": [
       {"role": "user", "content": f"Complete this Python function.\n\n```python\n{fn.header}```"},
       {"role": "assistant", "content": f"```python\n{fn.source}```"}]}
+
+
+def infill_example(fn: Function, rng: random.Random) -> dict | None:
+  """One non-blank body line after the docstring as the middle; None if the
+  body has none."""
+  lines = fn.source.splitlines(keepends=True)
+  body = [i for i in range(fn.header.count("\n"), len(lines)) if lines[i].strip()]
+  if not body:
+    return None
+  i = rng.choice(body)
+  head = fn.imports + "\n\n" if fn.imports else ""
+  return {"fim": {"prefix": head + "".join(lines[:i]), "middle": lines[i], "suffix": "".join(lines[i + 1:])}}
 
 
 def tool_schema(fn: Function) -> dict | None:
@@ -129,15 +150,23 @@ def call_example(fn: Function, schema: dict, others: Sequence[dict], rng: random
           {"id": "call_0", "type": "function", "function": {"name": fn.name, "arguments": json.dumps(args)}}]}]}
 
 
-def mine(documents: Sequence[str], *, per_file: int = 2, seed: int = 0) -> list[dict]:
-  """Up to `per_file` write examples and one call example per file."""
+def mine(documents: Sequence[str], *, per_file: int = 2, seed: int = 0,
+         progress: Callable[[int, int], None] | None = None) -> list[dict]:
+  """Up to `per_file` write and infill examples and one call example per
+  file; `progress(files read, files)` every PROGRESS_EVERY files."""
   rng = random.Random(seed)
-  found = [list(functions(text)) for text in documents]
+  found = []
+  for n, text in enumerate(documents, 1):
+    found.append(list(functions(text)))
+    if progress is not None and (n % PROGRESS_EVERY == 0 or n == len(documents)):
+      progress(n, len(documents))
   schemas = [s for fns in found for s in (tool_schema(f) for f in fns) if s is not None]
   out = []
   for fns in found:
     for fn in rng.sample(fns, min(per_file, len(fns))):
       out.append(write_example(fn))
+      if (infill := infill_example(fn, rng)) is not None:
+        out.append(infill)
     callable_ = [(f, s) for f in fns if (s := tool_schema(f)) is not None]
     if callable_ and len(schemas) > 2:
       fn, schema = rng.choice(callable_)
@@ -146,17 +175,26 @@ def mine(documents: Sequence[str], *, per_file: int = 2, seed: int = 0) -> list[
   return out
 
 
-def build(corpus: str, out: str, *, per_file: int = 2, seed: int = 0, validation_fraction: float = 0.01) -> dict:
+def build(corpus: str, out: str, *, per_file: int = 2, seed: int = 0, validation_fraction: float = 0.01,
+          log: Callable[[str], None] | None = None) -> dict:
   """train.jsonl from the corpus's train split, heldout.jsonl from its validation split."""
   from mdlm_jax.data import pipeline
   os.makedirs(out, exist_ok=True)
   counts = {}
   for split, name in (("train", "train"), ("validation", "heldout")):
-    examples = mine(pipeline.load_documents(corpus, split, validation_fraction), per_file=per_file, seed=seed)
+    t0 = time.monotonic()
+
+    def progress(n, total):
+      if log is not None:
+        rate = n / max(time.monotonic() - t0, 1e-9)
+        log(f"{split}: {n}/{total} files parsed, {rate:.0f} files/s, ETA {(total - n) / rate:.0f}s")
+    examples = mine(pipeline.load_documents(corpus, split, validation_fraction), per_file=per_file, seed=seed,
+                    progress=progress)
     path = os.path.join(out, f"{name}.jsonl")
     with open(path + ".tmp", "w") as f:
       for e in examples:
         f.write(json.dumps(e, ensure_ascii=False) + "\n")
     os.replace(path + ".tmp", path)
-    counts[name] = {"examples": len(examples), "calls": sum("tools" in e for e in examples)}
+    counts[name] = {"examples": len(examples), "calls": sum("tools" in e for e in examples),
+                    "infills": sum("fim" in e for e in examples)}
   return counts

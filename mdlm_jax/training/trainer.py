@@ -252,7 +252,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if chat_run:  # instruction tuning: conversations, rendered with the run's chat template
     template = chat_template.named(config.data.chat_template)
     conversations = chat.read_jsonl(os.path.join(config.data.corpus, "train.jsonl"))
-    train_docs = [chat_template.render(template, c["messages"], tools=c.get("tools")) for c in conversations]
+    train_docs = [chat.text_of(c, template) for c in conversations]
   else:
     train_docs = data.load_documents(config.data.corpus, "train", config.data.validation_fraction,
                                      config.data.text_field)
@@ -270,16 +270,20 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   meta = checkpointer.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
 
   local_batch = config.data.batch_size // jax.process_count()
+  fim_rate = float(config.data.get("fim_rate", 0.0))
   if chat_run:
     rows = chat.rows(conversations, tokenizer, template, config.data.seq_len)
-    log(f"{len(rows.tokens)} conversations, {rows.too_long} longer than {config.data.seq_len} tokens left out")
-    it = chat.train_iterator(rows, local_batch, config.data.shuffle_seed, process_index=jax.process_index(),
-                             process_count=jax.process_count())
+    infills = int(rows.is_infill.sum())
+    log(f"{len(rows.tokens) - infills} conversations and {infills} infill records,"
+        f" {rows.too_long} longer than {config.data.seq_len} tokens left out; data.fim_rate={fim_rate} of the"
+        " rows are infills")
+    it = chat.train_iterator(rows, local_batch, config.data.shuffle_seed, infill_rate=fim_rate,
+                             process_index=jax.process_index(), process_count=jax.process_count())
   else:
     it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
                                   seed=config.data.shuffle_seed, process_index=jax.process_index(),
                                   process_count=jax.process_count(), num_shards=num_reader_shards(config),
-                                  fim_rate=float(config.data.get("fim_rate", 0.0)),
+                                  fim_rate=fim_rate,
                                   fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)),
                                   fim_level=config.data.get("fim_level", "document"))
   with jax.set_mesh(mesh):
@@ -329,8 +333,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     def run_eval(step: int) -> dict:
       nonlocal eval_docs, eval_batches
       if eval_batches is None and chat_run:
-        eval_batches = chat.eval_batches(chat.load(config.data.corpus, "validation", tokenizer, template,
-                                                   config.data.seq_len), config.data.batch_size,
+        held_out = chat.load(config.data.corpus, "validation", tokenizer, template, config.data.seq_len)
+        eval_batches = chat.eval_batches(chat.select(held_out, fim_rate), config.data.batch_size,
                                          config.train.eval_batches)
       elif eval_batches is None:
         eval_docs = data.load_documents(config.data.corpus, "validation", config.data.validation_fraction,

@@ -63,3 +63,62 @@ def test_batches_shuffle_every_epoch_cover_all_rows_and_resume():
   with pytest.raises(ValueError, match="more than"):
     chat.train_iterator(data, 11, seed=0)
   assert [b["tokens"].shape for b in chat.eval_batches(data, 4, 5)] == [(4, 4), (4, 4)]
+
+
+class FimTok(CharTok):
+  """CharTok with the three FIM markers as ids 3, 4, 5."""
+
+  def piece_id(self, piece):
+    from mdlm_jax.data import fim
+    return {fim.PREFIX: 3, fim.SUFFIX: 4, fim.MIDDLE: 5}[piece]
+
+
+INFILL = {"fim": {"prefix": "def f(x):\n", "middle": "    y = x\n", "suffix": "    return y\n"}}
+
+
+def test_an_infill_record_is_a_psm_prompt_and_its_middle_scored():
+  tok = FimTok()
+  data = chat.rows([CONV, INFILL], tok, CHATML, seq_len=80)
+  assert data.is_infill.tolist() == [False, True]
+  f = INFILL["fim"]
+  prompt = [tok.bos_id, 3, *tok.encode(f["prefix"]), 4, *tok.encode(f["suffix"]), 5]
+  row, mask = data.tokens[1], data.loss_mask[1]
+  assert row[:len(prompt)].tolist() == prompt and not mask[:len(prompt)].any() and mask[len(prompt):].all()
+  middle = tok.encode(f["middle"])
+  assert row[len(prompt):len(prompt) + len(middle)].tolist() == middle
+  assert (row[len(prompt) + len(middle):] == tok.eos_id).all()
+  assert chat.text_of(INFILL, CHATML) == "def f(x):\n    y = x\n    return y\n"
+  with pytest.raises(ValueError, match="--chat-fim-pieces"):
+    chat.rows([INFILL], CharTok(), CHATML, seq_len=80)  # no FIM pieces: a named error, not a crash
+
+
+def test_the_infill_share_of_the_stream_is_fim_rate_and_resumes():
+  n = 40
+  tokens = np.arange(n)[:, None].repeat(4, 1).astype(np.int32)
+  infill = np.arange(n) % 4 == 0  # 10 infill rows, 30 conversations
+  data = chat.ChatRows(tokens, np.ones((n, 4), bool), 0, infill)
+  for rate in (0.0, 0.25, 0.5, 1.0):
+    it = chat.train_iterator(data, 4, seed=1, infill_rate=rate)
+    seen = np.concatenate([next(it)["tokens"][:, 0] for _ in range(100)])
+    share = infill[seen].mean()
+    assert abs(share - rate) < 0.03, (rate, share)
+    if rate in (0.0, 1.0):
+      assert set(seen.tolist()) == set(np.flatnonzero(infill == (rate == 1.0)).tolist())
+  it = chat.train_iterator(data, 4, seed=1, infill_rate=0.5)
+  next(it)
+  state = it.get_state()
+  want = [next(it)["tokens"][:, 0].tolist() for _ in range(3)]
+  again = chat.train_iterator(data, 4, seed=1, infill_rate=0.5)
+  again.set_state(state)
+  assert [next(again)["tokens"][:, 0].tolist() for _ in range(3)] == want
+  with pytest.raises(ValueError, match="infill records, but it has none"):
+    chat.train_iterator(chat.ChatRows(tokens, np.ones((n, 4), bool), 0), 4, seed=1, infill_rate=0.5)
+  assert chat.select(data, 0.0).tokens.shape[0] == 30 and chat.select(data, 1.0).tokens.shape[0] == 10
+  assert chat.select(data, 0.5).tokens.shape[0] == n
+
+
+def test_read_jsonl_names_a_malformed_infill_record(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"fim": {"prefix": "a", "middle": 3, "suffix": ""}}\n')
+  with pytest.raises(ValueError, match=r"t.jsonl:1: an infill record's 'fim'"):
+    chat.read_jsonl(str(path))

@@ -59,10 +59,11 @@ def test_functions_and_their_schemas():
 def test_mined_conversations_render_and_calls_validate():
   docs = [MODULE, MODULE.replace("scale", "shrink").replace("greet", "wave")]
   examples = instructions.mine(docs, per_file=2, seed=1)
-  writes = [e for e in examples if "tools" not in e]
+  infills = [e["fim"] for e in examples if "fim" in e]
+  writes = [e for e in examples if "tools" not in e and "fim" not in e]
   calls = [e for e in examples if "tools" in e]
-  assert len(writes) == 4 and len(calls) == 2
-  for e in examples:
+  assert len(writes) == 4 and len(calls) == 2 and len(infills) == 4
+  for e in writes + calls:
     text = chat_template.render(chat_template.CHATML, e["messages"], tools=e.get("tools"))
     assert text.count("<|im_start|>assistant") == 1 and text.endswith("<|im_end|>\n")
   for e in calls:
@@ -84,6 +85,26 @@ def test_build_keeps_held_out_files_apart(tmp_path):
   train = [json.loads(line) for line in open(tmp_path / "out" / "train.jsonl")]
   held = [json.loads(line) for line in open(tmp_path / "out" / "heldout.jsonl")]
   assert counts["train"]["examples"] == len(train) > 0 and counts["heldout"]["examples"] == len(held) > 0
-  names = lambda rows: {m["content"].split("def ")[1].split("(")[0] for r in rows for m in r["messages"]
+  names = lambda rows: {m["content"].split("def ")[1].split("(")[0] for r in rows for m in r.get("messages", [])
                         if m["role"] == "user" and "def " in m["content"]}
+  infilled = lambda rows: {r["fim"]["prefix"].split("def ")[1].split("(")[0] for r in rows if "fim" in r}
+  assert counts["train"]["infills"] == len(infilled(train)) > 0
+  assert infilled(held) and not infilled(train) & infilled(held) and not infilled(train) & names(held)
   assert names(train) and names(held) and not names(train) & names(held)
+
+
+def test_infill_examples_cut_one_body_line_out_of_the_function():
+  """prefix + middle + suffix is the file's imports and the function; the
+  middle is one whole non-blank line after the docstring, seeded."""
+  import random
+  fns = {f.name: f for f in instructions.functions(MODULE)}
+  seen = set()
+  for seed in range(20):
+    e = instructions.infill_example(fns["scale"], random.Random(seed))["fim"]
+    assert e["prefix"] + e["middle"] + e["suffix"] == "import os\n\n\n" + fns["scale"].source
+    assert e["middle"].endswith("\n") and e["middle"].count("\n") == 1 and e["middle"].strip()
+    assert '"""' not in e["middle"] and e["prefix"].count('"""') == 2
+    seen.add(e["middle"])
+  assert seen == {"    out = [v * factor for v in values]\n", "    return out\n"}
+  assert instructions.infill_example(fns["scale"], random.Random(0)) == \
+      instructions.infill_example(fns["scale"], random.Random(0))

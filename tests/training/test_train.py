@@ -151,17 +151,24 @@ def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_
     trainer.train(c, str(tmp_path / "nothing"))
 
 
+def _instruction_folder(path, records_of, sizes=(40, 16)):
+  """A chat run's folder: train.jsonl and heldout.jsonl with records_of(i) for
+  each of their examples."""
+  path.mkdir()
+  for name, n in zip(("train.jsonl", "heldout.jsonl"), sizes):
+    (path / name).write_text("".join(json.dumps(r) + "\n" for i in range(n) for r in records_of(i)))
+  return path
+
+
+def _chat(question: str, answer: str) -> dict:
+  return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
 @pytest.mark.slow
 def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp_path):
   """data.kind=chat: conversations in the chat template, the loss over the
   answers only; the run evaluates on the held-out file and resumes."""
-  folder = tmp_path / "instructions"
-  folder.mkdir()
-  for name, n in (("train.jsonl", 40), ("heldout.jsonl", 16)):
-    with open(folder / name, "w") as f:
-      for i in range(n):
-        f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + 1?"},
-                                         {"role": "assistant", "content": str(i + 1)}]}) + "\n")
+  folder = _instruction_folder(tmp_path / "instructions", lambda i: [_chat(f"What is {i} + 1?", str(i + 1))])
   tiny_config.data.update(kind="chat", chat_template="chatml", corpus=str(folder), seq_len=96, batch_size=8)
   tiny_config.train.update(num_steps=4, checkpoint_every=2, log_every=1, eval_every=4, eval_batches=2)
   out = trainer.train(tiny_config, str(tmp_path / "run"))
@@ -172,6 +179,30 @@ def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp
   tiny_config.train.update(num_steps=6)
   again = trainer.train(tiny_config, str(tmp_path / "run"))
   assert again["step"] == 6
+
+
+def test_instruction_tuning_mixes_infill_records_at_fim_rate(tiny_config, tmp_path):
+  """Infill records in the folder: data.fim_rate of the rows are their PSM
+  prompts with the middle scored; the tuned checkpoint infills in that format."""
+  from mdlm_jax.data import fim
+  from mdlm_jax.data.tokenizer import CHAT_AND_FIM_PIECES, train_tokenizer
+  docs = [f"def f{i}(x):\n    y = x + {i}\n    return y\n" for i in range(200)]
+  tok_path = str(tmp_path / "fim.model")
+  train_tokenizer(docs, tok_path, vocab_size=400, user_pieces=CHAT_AND_FIM_PIECES)
+  folder = _instruction_folder(tmp_path / "instructions", lambda i: [
+      _chat(f"Write f{i}.", docs[i]),
+      {"fim": {"prefix": f"def f{i}(x):\n", "middle": f"    y = x + {i}\n", "suffix": "    return y\n"}}],
+                               sizes=(24, 16))
+  tiny_config.data.update(kind="chat", chat_template="chatml", corpus=str(folder), seq_len=96, batch_size=8,
+                          tokenizer=tok_path, fim_rate=0.5)
+  tiny_config.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_every=2, eval_batches=2)
+  out = trainer.train(tiny_config, str(tmp_path / "run"))
+  assert np.isfinite(out["train"]["loss"]) and out["eval"]["tokens"] > 0
+  loaded = checkpoints.load(str(tmp_path / "run"))
+  assert fim.format_for(loaded.config, loaded.tokenizer) == fim.FIMFormat.of(loaded.tokenizer)
+  tiny_config.data.update(corpus=str(_instruction_folder(tmp_path / "no_infills", lambda i: [_chat("hi", "hello")])))
+  with pytest.raises(ValueError, match="data.fim_rate=0.5 draws rows from the folder's infill records"):
+    trainer.train(tiny_config, str(tmp_path / "run2"))
 
 
 def test_extend_context_fine_tunes_a_trained_model_at_a_longer_context(tiny_checkpoints, tmp_path):
