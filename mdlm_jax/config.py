@@ -105,6 +105,10 @@ def base_config() -> ml_collections.ConfigDict:
   # tuning on conversations (data/chat.py), data.corpus a folder with
   # train.jsonl and heldout.jsonl (python -m mdlm_jax.corpus instructions).
   dt.kind = "text"
+  # Chat runs: row lengths below seq_len, e.g. "256,512". A batch then holds
+  # rows of one length bucket cut to it, so short answers do not pay for a
+  # full row of padding (data/chat.py). "" keeps every row seq_len long.
+  dt.length_buckets = ""
 
   c.optim = o = ml_collections.ConfigDict()
   o.learning_rate = 1e-3
@@ -149,6 +153,16 @@ def base_config() -> ml_collections.ConfigDict:
   e.time_samples = 4  # Monte Carlo t samples per sequence for the NELBO.
   e.seed = 1234
   return c
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+  """'256,512' -> (256, 512); '' -> ()."""
+  if not str(text).strip():
+    return ()
+  try:
+    return tuple(sorted(int(x) for x in str(text).split(",")))
+  except ValueError:
+    raise ValueError(f"length_buckets must be comma-separated integers like '256,512', got {text!r}") from None
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -245,6 +259,17 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if dt.get("kind", "text") == "chat":
     _check(dt.get("chat_template", ""), "data.chat_template", "a chat run renders its conversations with a template:"
            " set it to 'chatml'")
+  try:
+    buckets = parse_buckets(dt.get("length_buckets", ""))
+  except ValueError as e:
+    raise ConfigError(f"config.data.{e}") from None
+  if buckets:
+    _check(dt.get("kind", "text") == "chat", "data.length_buckets",
+           "only chat runs have rows of their own lengths (text runs pack every row full)")
+    _check(all(8 <= b < dt.seq_len for b in buckets), "data.length_buckets",
+           f"each bucket must be in [8, seq_len={dt.seq_len}), got {buckets}")
+    _check(not bs or all(b % bs == 0 for b in buckets), "data.length_buckets",
+           f"each bucket must be a multiple of diffusion.block_size={bs}, got {buckets}")
   _check(dt.get("chat_template", "") in ("", "chatml"), "data.chat_template",
          f"must be '' or 'chatml', got {dt.get('chat_template')!r}")
   for name in ("fim_rate", "fim_spm_rate"):

@@ -28,12 +28,28 @@ def run_module(*args, timeout=240):
     ("mesh.data", 0, "mesh.data: must be -1 or a positive int"),
     ("objective", "gpt", "objective: must be one of"),
     ("data.fim_level", "row", "data.fim_level: must be 'document' or 'context'"),
+    ("data.length_buckets", "256", "data.length_buckets: only chat runs"),
+    ("data.length_buckets", "a,b", "data.length_buckets must be comma-separated integers"),
 ])
 def test_bad_config_values(field, value, message):
   c = load_config("tiny")
   section, _, name = field.rpartition(".")
   (c[section] if section else c)[name] = value
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(")):
+    config_lib.validate(c)
+
+
+def test_length_buckets_fit_the_rows_and_the_blocks():
+  c = load_config("tiny")
+  c.data.update(kind="chat", chat_template="chatml", length_buckets="16,32")
+  config_lib.validate(c)
+  c.data.length_buckets = "16,32,64"
+  with pytest.raises(config_lib.ConfigError, match=r"must be in \[8, seq_len=64\)"):
+    config_lib.validate(c)
+  c.data.length_buckets = "20"
+  c.diffusion.block_size = 8
+  c.model.time_conditioning = False
+  with pytest.raises(config_lib.ConfigError, match="multiple of diffusion.block_size=8"):
     config_lib.validate(c)
 
 

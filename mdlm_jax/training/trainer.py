@@ -4,6 +4,7 @@ progress, metrics, atomic checkpoints and exact resume."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -277,7 +278,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     log(f"{len(rows.tokens) - infills} conversations and {infills} infill records,"
         f" {rows.too_long} longer than {config.data.seq_len} tokens left out; data.fim_rate={fim_rate} of the"
         " rows are infills")
-    it = chat.train_iterator(rows, local_batch, config.data.shuffle_seed, infill_rate=fim_rate,
+    buckets = config_lib.parse_buckets(config.data.get("length_buckets", ""))
+    if buckets:
+      cut = chat.bucket_of(rows.used, buckets, config.data.seq_len)
+      log("rows by length bucket: " + ", ".join(f"<= {b}: {int((cut == b).sum())}"
+                                                for b in sorted({*buckets, config.data.seq_len})))
+    it = chat.train_iterator(rows, local_batch, config.data.shuffle_seed, infill_rate=fim_rate, buckets=buckets,
                              process_index=jax.process_index(), process_count=jax.process_count())
   else:
     it = data.make_train_iterator(train_docs, tokenizer, seq_len=config.data.seq_len, batch_size=local_batch,
@@ -315,11 +321,17 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     n_params = sum(x.size for x in jax.tree.leaves(params if resumed_meta is None else weights["params"]))
     tokens_per_step = config.data.batch_size * config.data.seq_len
-    if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
-      # BD3-LM runs the network on [x_t ; x_0]: twice the tokens, twice the context.
-      flops_per_step = 2 * flops.train_flops_per_token(cfg, 2 * config.data.seq_len) * tokens_per_step
-    else:
-      flops_per_step = flops.train_flops_per_token(cfg, config.data.seq_len) * tokens_per_step
+
+    @functools.cache
+    def step_cost(length: int) -> tuple[int, float]:
+      """(tokens, FLOPs) of a step over rows of `length` (chat buckets make rows shorter)."""
+      tokens = config.data.batch_size * length
+      if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
+        # BD3-LM runs the network on [x_t ; x_0]: twice the tokens, twice the context.
+        return tokens, 2 * flops.train_flops_per_token(cfg, 2 * length) * tokens
+      return tokens, flops.train_flops_per_token(cfg, length) * tokens
+
+    flops_per_step = step_cost(config.data.seq_len)[1]
     peak = config.train.peak_flops_per_device or flops.device_peak_flops()
     peak_total = peak * jax.device_count()
     log(f"model: {n_params / 1e6:.2f}M params, objective {config.objective}, vocab {cfg.vocab_size},"
@@ -356,6 +368,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t_last, step_last = time.perf_counter(), step
     t_start, step_start = t_last, step
     compiled_at = None
+    window = [0, 0.0]  # tokens and FLOPs since the last log line
+    timed = [0, 0.0]  # ... and since the first (compiled) step
 
     def stop_agreed(stop: Stop) -> bool:
       # Every process must leave the loop at the same step (the save and the
@@ -371,19 +385,23 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                  for k, v in next(it).items()}
         weights, train_state, m = step_fn(weights, train_state, batch, base_key)
         step += 1
+        cost = step_cost(batch["tokens"].shape[1])
+        window, timed = [window[0] + cost[0], window[1] + cost[1]], [timed[0] + cost[0], timed[1] + cost[1]]
         if compiled_at is None:
           jax.block_until_ready(m)
           compiled_at = step
           t_last, step_last = time.perf_counter(), step
           t_start, step_start = t_last, step
+          window, timed = [0, 0.0], [0, 0.0]
           log(f"step {step}: compiled and ran the first step")
         if step % config.train.log_every == 0 or step == config.train.num_steps:
           m = jax.device_get(m)
           now = time.perf_counter()
           n = step - step_last
           dt = max(now - t_last, 1e-9)
-          tps = n * tokens_per_step / dt if n else float("nan")
-          mfu = n * flops_per_step / dt / peak_total if n else float("nan")
+          tps = window[0] / dt if n else float("nan")
+          mfu = window[1] / dt / peak_total if n else float("nan")
+          window = [0, 0.0]
           rate = (step - step_start) / max(now - t_start, 1e-9)
           eta = (config.train.num_steps - step) / rate if rate > 0 else float("nan")
           loss = float(m["loss"])
@@ -411,8 +429,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     timed_steps, timed_s = step - step_start, t_end - t_start
     throughput = {
         "timed_steps": timed_steps, "seconds": timed_s,
-        "tokens_per_s": timed_steps * tokens_per_step / timed_s if timed_steps else float("nan"),
-        "mfu": timed_steps * flops_per_step / timed_s / peak_total if timed_steps else float("nan"),
+        "tokens_per_s": timed[0] / timed_s if timed_steps else float("nan"),
+        "mfu": timed[1] / timed_s / peak_total if timed_steps else float("nan"),
         "peak_flops": peak_total, "train_flops_per_token": flops_per_step / tokens_per_step,
         "params": int(n_params),
     }

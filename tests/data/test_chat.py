@@ -122,3 +122,40 @@ def test_read_jsonl_names_a_malformed_infill_record(tmp_path):
   path.write_text('{"fim": {"prefix": "a", "middle": 3, "suffix": ""}}\n')
   with pytest.raises(ValueError, match=r"t.jsonl:1: an infill record's 'fim'"):
     chat.read_jsonl(str(path))
+
+
+def test_bucket_of_is_the_smallest_length_that_holds_a_row():
+  got = chat.bucket_of(np.array([1, 8, 9, 16, 17, 32]), (16, 8), 32)
+  assert got.tolist() == [8, 8, 16, 16, 32, 32]
+
+
+def test_length_buckets_cut_rows_to_one_length_per_batch_and_keep_every_answer():
+  rng = np.random.default_rng()
+  n, seq_len, edges = 96, 32, (8, 16, 32)
+  lengths = rng.integers(2, seq_len + 1, n)
+  lengths[:3] = 5  # with the rest random, bucket 8 may hold too few rows for a batch: then they read at 16
+  tokens = np.full((n, seq_len), 2, np.int32)
+  for i, length in enumerate(lengths):
+    tokens[i, :length] = 100 + i  # the row's id in every used column
+  data = chat.ChatRows(tokens, tokens != 2, 0, None, lengths)
+  it = chat.train_iterator(data, 4, seed=0, buckets=(8, 16))
+  widths = set()
+  for _ in range(60):
+    b = next(it)
+    width = b["tokens"].shape[1]
+    widths.add(width)
+    ids = b["tokens"][:, 0] - 100
+    assert width in edges and (lengths[ids] <= width).all()
+    np.testing.assert_array_equal(b["tokens"], tokens[ids, :width])
+    np.testing.assert_array_equal(b["loss_mask"], tokens[ids, :width] != 2)
+  assert widths == {16, 32} | ({8} if (lengths <= 8).sum() >= 4 else set())
+  # Two rows of bucket 8 make no batch of 4: they are read at 16, whole.
+  lengths = np.array([5, 5] + [12] * 10 + [20] * 20)
+  tokens = np.where(np.arange(seq_len) < lengths[:, None], 100 + np.arange(len(lengths))[:, None], 2)
+  it = chat.train_iterator(chat.ChatRows(tokens, tokens != 2, 0, None, lengths), 4, seed=0, buckets=(8, 16))
+  seen = {}
+  for _ in range(60):
+    b = next(it)
+    for row in b["tokens"]:
+      seen[int(row[0]) - 100] = b["tokens"].shape[1]
+  assert seen[0] == seen[1] == 16 and {seen[i] for i in range(2, 12)} == {16} and seen[20] == 32

@@ -194,8 +194,8 @@ def test_instruction_tuning_mixes_infill_records_at_fim_rate(tiny_config, tmp_pa
       {"fim": {"prefix": f"def f{i}(x):\n", "middle": f"    y = x + {i}\n", "suffix": "    return y\n"}}],
                                sizes=(24, 16))
   tiny_config.data.update(kind="chat", chat_template="chatml", corpus=str(folder), seq_len=96, batch_size=8,
-                          tokenizer=tok_path, fim_rate=0.5)
-  tiny_config.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_every=2, eval_batches=2)
+                          tokenizer=tok_path, fim_rate=0.5, length_buckets="32,64")
+  tiny_config.train.update(num_steps=4, checkpoint_every=2, log_every=1, eval_every=4, eval_batches=2)
   out = trainer.train(tiny_config, str(tmp_path / "run"))
   assert np.isfinite(out["train"]["loss"]) and out["eval"]["tokens"] > 0
   loaded = checkpoints.load(str(tmp_path / "run"))
