@@ -5,6 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import threading
+import time
+
+
+class Progress:
+  """`what: done/total, per second, ETA` on stderr about every tenth of the
+  work (and at its end): long benchmarks show they are moving."""
+
+  def __init__(self, what: str, total: int):
+    self.what, self.total, self.t0, self.done = what, total, time.perf_counter(), 0
+    self.every = max(1, total // 10)
+    self._lock = threading.Lock()  # worker threads advance it
+
+  def advance(self, n: int = 1) -> None:
+    with self._lock:
+      before, self.done = self.done, self.done + n
+      if self.done // self.every == before // self.every and self.done < self.total:
+        return
+      rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+      eta = (self.total - self.done) / rate if rate > 0 else float("nan")
+      print(f"{self.what}: {self.done}/{self.total}, {rate:.2f}/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
 
 
 def add_output_flags(p: argparse.ArgumentParser, png: str | None = None, png_help: str = "plot") -> None:

@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from mdlm_jax.bench.common import add_output_flags, emit
+from mdlm_jax.bench.common import Progress, add_output_flags, emit
 
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 MODES = ("single-line", "multi-line", "random-span", "complete")
@@ -167,9 +167,14 @@ def score(tasks: Sequence[Task], answers: Sequence[Sequence[str]], ks: Sequence[
           timeout_s: float = 5.0, memory_mb: int = 1024) -> dict:
   """pass@k over tasks, answers[i] holding task i's samples."""
   flat = [(i, a) for i, samples in enumerate(answers) for a in samples]
+  progress = Progress("programs run", len(flat))
+
+  def run(ia):
+    good = passes(tasks[ia[0]].program(ia[1]), timeout_s=timeout_s, memory_mb=memory_mb)
+    progress.advance()
+    return good
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-    ok = list(pool.map(lambda ia: passes(tasks[ia[0]].program(ia[1]), timeout_s=timeout_s, memory_mb=memory_mb),
-                       flat))
+    ok = list(pool.map(run, flat))
   correct = [0] * len(tasks)
   for (i, _), good in zip(flat, ok):
     correct[i] += good
@@ -198,7 +203,12 @@ class EngineBackend:
     handles = [self.engine.submit(Request(self.engine.encode(p), n, self.sampler, seed=seed, stop=tuple(stop),
                                           suffix_ids=self.engine.encode(s, add_bos=False) if s else ()))
                for p, s, n in zip(prefixes, suffixes, _each(max_tokens, len(prefixes)))]
-    return [h.result(timeout=3600).text for h in handles]
+    progress = Progress("answers", len(handles))
+    out = []
+    for h in handles:
+      out.append(h.result(timeout=3600).text)
+      progress.advance()
+    return out
 
   def close(self):
     self.engine.close(deadline_s=0)
@@ -217,6 +227,7 @@ class ARBackend:
       raise ValueError("this AR checkpoint was not trained with fill-in-the-middle: run --modes=complete")
     lengths = _each(max_tokens, len(prefixes))
     out = [""] * len(prefixes)
+    progress = Progress("answers", len(prefixes))
     for n in sorted(set(lengths)):  # rows of one length decode together
       idx = [i for i, m in enumerate(lengths) if m == n]
       for lo in range(0, len(idx), self.batch):
@@ -226,6 +237,7 @@ class ARBackend:
                               suffixes=[suffixes[i] for i in part] if any(suffixes) else None)
         for i, c in zip(part, r.completions):
           out[i] = c.text
+        progress.advance(len(part))
     return out
 
   def close(self):
@@ -253,6 +265,8 @@ class ServerBackend:
     self.effort, self.temperature, self.jobs = effort, temperature, jobs
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:
+    progress = Progress("answers", len(prefixes))
+
     def one(psn):
       p, s, n = psn
       body = {"model": self.model, "prompt": p, "max_tokens": n, "temperature": self.temperature,
@@ -262,6 +276,7 @@ class ServerBackend:
         body["suffix"], path = s, "/v1/fim/completions"
       r = self.http.post(path, json=body)
       r.raise_for_status()
+      progress.advance()
       return r.json()["choices"][0]["text"]
     with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
       return list(pool.map(one, zip(prefixes, suffixes, _each(max_tokens, len(prefixes)))))

@@ -107,3 +107,17 @@ def test_matmul_peak_runs_on_one_device_inside_a_mesh():
     a, b = flops.matmul_operands(16)
     assert a.devices() == b.devices() == {jax.local_devices()[0]}
     assert flops.measure_matmul_peak(32, seconds=0.01, windows=1) > 0
+
+
+def test_progress_reports_about_every_tenth_and_the_end(capsys):
+  import threading
+  from mdlm_jax.bench.common import Progress
+  p = Progress("items", 95)
+  threads = [threading.Thread(target=lambda: [p.advance() for _ in range(19)]) for _ in range(5)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  lines = capsys.readouterr().err.splitlines()
+  assert p.done == 95 and len(lines) == 11  # 9, 18, ..., 90, then 95
+  assert lines[0].startswith("items: 9/95, ") and lines[-1].startswith("items: 95/95, ") and "ETA 0s" in lines[-1]
