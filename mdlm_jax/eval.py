@@ -1,8 +1,10 @@
-"""python -m mdlm_jax.eval --checkpoint=DIR [--data=PATH] [--json]
+"""python -m mdlm_jax.eval --checkpoint=DIR [--data=PATH] [--profile=8] [--json]
 
 NELBO / perplexity bound of an MDLM checkpoint (Monte Carlo over t, seeded),
 or the exact perplexity of an AR checkpoint, on the validation split of the
-training corpus or on the documents at --data.
+training corpus or on the documents at --data. --profile adds the bound's
+integrand by noise level (and block position): where a diffusion model's
+bound loses to its AR twin.
 
 Launched on several hosts (like train), the processes connect first and the
 batches are split over one mesh of all their devices; process 0 prints.
@@ -23,6 +25,8 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "sequences per batch (def
 _TIME_SAMPLES = flags.DEFINE_integer("time_samples", None, "MC samples of t per sequence (MDLM only)")
 _SEED = flags.DEFINE_integer("seed", None, "seed of the t/mask draws (default: config.eval.seed)")
 _RAW = flags.DEFINE_bool("raw_params", False, "evaluate the raw params instead of the EMA")
+_PROFILE = flags.DEFINE_integer("profile", 0, "diffusion only: also the bound's integrand at this many noise"
+                                " levels t, and by position in the block (where the bound is lost)")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a sentence")
 _MESH = flags.DEFINE_string("mesh", None, "device mesh, e.g. 'data=4,fsdp=2' (default: one device, or data"
                             " parallel over every device of a multi-process run)")
@@ -47,11 +51,12 @@ def eval_mesh(mesh_text: str | None):
 
 
 def run(checkpoint_path, data_path=None, text_field=None, num_batches=None, batch_size=None,
-        time_samples=None, seed=None, raw_params=False, mesh_text=None) -> dict:
+        time_samples=None, seed=None, raw_params=False, mesh_text=None, profile=0) -> dict:
   from mdlm_jax import data
   from mdlm_jax.training import evaluation
   from mdlm_jax.diffusion import objectives
   from mdlm_jax import checkpoints
+  import jax
   mesh = eval_mesh(mesh_text)
   loaded = checkpoints.load(checkpoint_path, mesh=mesh, use_ema=not raw_params)
   c = loaded.config
@@ -73,6 +78,12 @@ def run(checkpoint_path, data_path=None, text_field=None, num_batches=None, batc
   res = evaluation.evaluate(loaded.spec, objective, loaded.params, batches,
                             time_samples=time_samples or c.eval.time_samples,
                             seed=c.eval.seed if seed is None else seed, mesh=mesh)
+  if profile:
+    if profile < 0 or jax.process_count() > 1:
+      raise ValueError(f"--profile must be >= 0 and runs in one process, got {profile}"
+                       f" over {jax.process_count()} processes")
+    res["profile"] = evaluation.bound_profile(loaded.spec, objective, loaded.params, batches, time_samples=profile,
+                                              seed=c.eval.seed if seed is None else seed)
   res.update({"checkpoint": checkpoint_path, "step": loaded.step, "objective": c.objective,
               "data": data_path or f"{c.data.corpus} (validation)",
               "params": "raw" if raw_params or not loaded.has_ema else "ema"})
@@ -87,7 +98,7 @@ def main(argv):
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     res = run(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value, _BATCH_SIZE.value,
-              _TIME_SAMPLES.value, _SEED.value, _RAW.value, _MESH.value)
+              _TIME_SAMPLES.value, _SEED.value, _RAW.value, _MESH.value, _PROFILE.value)
   except cli.USER_ERRORS as e:
     cli.fail("eval", e)
   import jax
@@ -99,6 +110,8 @@ def main(argv):
   else:
     print(f"{res['objective']} step {res['step']} ({res['params']} params) on {res['data']}: "
           f"{evaluation.describe(res)}")
+    if "profile" in res:
+      print(evaluation.describe_profile(res["profile"]))
 
 
 if __name__ == "__main__":

@@ -144,7 +144,11 @@ def test_eval_cli_json_and_data_flag(trained, tmp_path):
   assert res["bound"] and res["step"] == 3 and res["tokens"] == 8 * 64
   assert abs(res["bits_per_token"] * 0.6931471805599453 - res["nats_per_token"]) < 1e-9
   r2 = run_module("mdlm_jax.eval", f"--checkpoint={trained}", f"--data={data_file}", "--text_field=body",
-                  "--num_batches=1", "--json")
-  assert json.loads(r2.stdout.strip().splitlines()[-1])["nats_per_token"] == res["nats_per_token"]  # seeded
+                  "--num_batches=1", "--json", "--profile=2")
+  again = json.loads(r2.stdout.strip().splitlines()[-1])
+  assert again["nats_per_token"] == res["nats_per_token"]  # seeded
+  profile = again["profile"]  # MDLM: by noise level only
+  assert profile["t"] == [0.25, 0.75] and len(profile["by_t"]) == 2 and "by_t_and_block_position" not in profile
+  assert abs(profile["nats_per_token"] - sum(profile["by_t"]) / 2) < 1e-9 and profile["tokens"] == 8 * 64
   r3 = run_module("mdlm_jax.eval", f"--checkpoint={trained}", f"--data={data_file}", "--text_field=nope")
   assert r3.returncode != 0 and "'nope'" in r3.stderr and "Traceback" not in r3.stderr
