@@ -79,7 +79,9 @@ def _tile_update(state, logits, y, col):
   m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
   s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new), axis=1, keepdims=True)
   tile_best = jnp.max(y, axis=1, keepdims=True)
-  tile_idx = jnp.min(jnp.where(y == tile_best, col, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+  # The first maximum's column by argmax, not by comparing y with its max: a
+  # compiler may compute y once for each reduction and round them apart.
+  tile_idx = col[:, :1] + jnp.argmax(y, axis=1, keepdims=True).astype(jnp.int32)
   tile_logit = jnp.sum(jnp.where(col == tile_idx, logits, 0.0), axis=1, keepdims=True)
   better = tile_best > best  # strict: ties keep the lower index, as argmax does
   return (m_new, s, jnp.where(better, tile_best, best), jnp.where(better, tile_idx, idx),
