@@ -34,8 +34,8 @@ _MIN = float(jnp.finfo(jnp.float32).min)
 
 
 def chunked_attention(q: Float[Array, "b l h d"], k: Float[Array, "b s g d"], v: Float[Array, "b s g d"],
-                      mask: AttentionMask | None = None, *, causal: bool = False, block_q: int = 512,
-                      block_k: int = 512, scale: float | None = None, q_offset=0,
+                      mask: AttentionMask | None = None, *, causal: bool = False, block_q: int = 128,
+                      block_k: int = 128, scale: float | None = None, q_offset=0,
                       q_total: int | None = None) -> Float[Array, "b l h d"]:
   """`attention_reference` with [block_q, block_k] score tiles (see module doc).
 
@@ -160,6 +160,14 @@ def _scores(qc, kc, allowed, keys_transposed: bool = False):
   return jnp.where(allowed, sc, _MIN)
 
 
+def _unless_empty(allowed, visit, carry):
+  """visit(carry), or carry as is where the tile's mask allows no key: the
+  tiles inside a query tile's key range that hold no readable key (a BD3
+  noisy tile's later noisy tiles, other documents' tiles under segment ids,
+  padding) cost nothing."""
+  return jax.lax.cond(jnp.any(allowed), visit, lambda c: c, carry)
+
+
 def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset, keys_transposed: bool = False,
              layer=None):
   """(out [b, g, r, L, d], lse [b, g, r, L]); a row that may read no key
@@ -186,16 +194,21 @@ def _forward(spec, bq, bk, l, s, scale, qt, kt, vt, rows, cols, offset, keys_tra
     shape = qc.shape[:-1]
 
     def k_tile(j, carry):
-      m, total, acc = carry
       start = jnp.minimum(j * bk, n_keys - bk)
-      kc, vc = fetch(kt, 3 if keys_transposed else 2, start), fetch(vt, 2, start)
-      sc = _scores(qc, kc, tiling.allowed(i, j, start), keys_transposed)
-      m_new = jnp.maximum(m, sc.max(-1))
-      p = jnp.exp(sc - m_new[..., None])
-      corr = jnp.exp(m - m_new)
-      acc = acc * corr[..., None] + jnp.einsum("bgrqk,bgkd->bgrqd", p.astype(vc.dtype), vc,
-                                               preferred_element_type=jnp.float32)
-      return m_new, total * corr + p.sum(-1), acc
+      allowed = tiling.allowed(i, j, start)
+
+      def visit(carry):
+        m, total, acc = carry
+        kc, vc = fetch(kt, 3 if keys_transposed else 2, start), fetch(vt, 2, start)
+        sc = _scores(qc, kc, allowed, keys_transposed)
+        m_new = jnp.maximum(m, sc.max(-1))
+        p = jnp.exp(sc - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[..., None] + jnp.einsum("bgrqk,bgkd->bgrqd", p.astype(vc.dtype), vc,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, total * corr + p.sum(-1), acc
+
+      return _unless_empty(allowed, visit, carry)
 
     init = (jnp.full(shape, _MIN, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qc.shape, jnp.float32))
     first, last = tiling.key_range(i, n_k)
@@ -232,17 +245,21 @@ def _attention_bwd(spec, bq, bk, l, s, scale, res, dout):
     lse_c, delta_c = _tile(lse, i, bq, 3), _tile(delta, i, bq, 3)
 
     def k_tile(j, inner):
-      dq, dk, dv = inner
-      kc, vc = _tile(kt, j, bk, 2), _tile(vt, j, bk, 2)
       allowed = tiling.allowed(i, j)
-      p = jnp.exp(_scores(qc, kc, allowed) - lse_c[..., None])
-      dp = jnp.einsum("bgrqd,bgkd->bgrqk", do, vc, preferred_element_type=jnp.float32)
-      ds = jnp.where(allowed, p * (dp - delta_c[..., None]), 0.0)
-      add = lambda acc, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-          acc, _tile(acc, j, bk, 2) + new, j * bk, 2)
-      dv = add(dv, jnp.einsum("bgrqk,bgrqd->bgkd", p, do))
-      dk = add(dk, jnp.einsum("bgrqk,bgrqd->bgkd", ds, qc.astype(jnp.float32)))
-      return dq + jnp.einsum("bgrqk,bgkd->bgrqd", ds, kc.astype(jnp.float32)), dk, dv
+
+      def visit(inner):
+        dq, dk, dv = inner
+        kc, vc = _tile(kt, j, bk, 2), _tile(vt, j, bk, 2)
+        p = jnp.exp(_scores(qc, kc, allowed) - lse_c[..., None])
+        dp = jnp.einsum("bgrqd,bgkd->bgrqk", do, vc, preferred_element_type=jnp.float32)
+        ds = jnp.where(allowed, p * (dp - delta_c[..., None]), 0.0)
+        add = lambda acc, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            acc, _tile(acc, j, bk, 2) + new, j * bk, 2)
+        dv = add(dv, jnp.einsum("bgrqk,bgrqd->bgkd", p, do))
+        dk = add(dk, jnp.einsum("bgrqk,bgrqd->bgkd", ds, qc.astype(jnp.float32)))
+        return dq + jnp.einsum("bgrqk,bgkd->bgrqd", ds, kc.astype(jnp.float32)), dk, dv
+
+      return _unless_empty(allowed, visit, inner)
 
     first, last = tiling.key_range(i, n_k)
     dq, dk, dv = jax.lax.fori_loop(first, last, k_tile, (jnp.zeros(qc.shape, jnp.float32), *carry))

@@ -1,10 +1,12 @@
-"""python -m mdlm_jax.bench kernels [--json] [--lengths 1024,4096,16384]
+"""python -m mdlm_jax.bench kernels [--json] [--lengths 1024,4096,16384] [--chunked-tiles 64,128,256,512]
 
 On a GPU or TPU: time each kernel against its XLA reference (flash attention
 forward and forward+backward, the fused confidence head), with achieved
 TFLOP/s and the compiled programs' temporary memory (flash attention's is
 linear in L, the reference's quadratic). On CPU: the kernels' numerics in
 interpret mode on small shapes, and a note that timings need an accelerator.
+--chunked-tiles times the plain-JAX chunked attention by tile size on any
+backend (on CPU, the one that runs from CHUNKED_FROM queries).
 """
 
 from __future__ import annotations
@@ -99,6 +101,29 @@ def time_head(lengths, a) -> dict:
   return out
 
 
+def time_chunked_tiles(lengths, tiles, a) -> dict:
+  """The XLA chunked attention (the CPU path from CHUNKED_FROM queries),
+  forward and backward, by tile size, for each mask kind; on any backend.
+  The BD3 mask's length is its [x_t ; x_0] layout's (blocks of 8)."""
+  from mdlm_jax.kernels.chunked_attention import chunked_attention
+  dt = jnp.dtype(a.dtype)
+  masks = dict(MASKS, block_diffusion=kernels.AttentionMask(kind="block_diffusion", block_size=8))
+  out = {}
+  for name, mask in masks.items():
+    for length in lengths:
+      if name == "block_diffusion" and length % 16:
+        raise ValueError(f"--lengths: the BD3 layout needs a multiple of 16, got {length}")
+      rng = np.random.default_rng(length)
+      q, k, v = (jnp.asarray(rng.normal(size=(a.batch, length, a.heads, a.head_dim)), dt) for _ in range(3))
+      row = {}
+      for tile in tiles:
+        fn = jax.jit(jax.grad(lambda q, k, v, tile=tile, mask=mask: jnp.sum(
+            chunked_attention(q, k, v, mask, block_q=tile, block_k=tile).astype(jnp.float32)), argnums=(0, 1, 2)))
+        row[f"tile={tile}"] = {"fwd_bwd_ms": 1e3 * _time(fn, q, k, v, repeats=a.repeats)}
+      out[f"{name}/L={length}"] = row
+  return out
+
+
 def check_numerics() -> dict:
   """Max errors of the interpreted kernels against the references on small shapes."""
   rng = np.random.default_rng(0)
@@ -139,9 +164,13 @@ def main(argv):
   p.add_argument("--vocab", type=int, default=32768, help="confidence head: vocabulary size")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--chunked-tiles", default=None,
+                 help="also time the XLA chunked attention (forward+backward) at these tile sizes, e.g."
+                      " 64,128,256,512, on any backend, at --lengths")
   common.add_output_flags(p)
   a = p.parse_args(argv)
   lengths = common.positive_ints(p, "--lengths", a.lengths)
+  tiles = common.positive_ints(p, "--chunked-tiles", a.chunked_tiles) if a.chunked_tiles else None
   for flag in ("batch", "heads", "head_dim", "embed_dim", "vocab", "repeats"):
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
@@ -151,4 +180,6 @@ def main(argv):
                                     " checked in Pallas interpret mode instead", numerics=check_numerics())
   else:
     result.update(timed=True, dtype=a.dtype, attention=time_attention(lengths, a), confidence_head=time_head(lengths, a))
+  if tiles:
+    result["chunked_attention"] = time_chunked_tiles(lengths, tiles, a)
   common.emit(result, a)

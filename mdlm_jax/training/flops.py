@@ -17,17 +17,33 @@ KNOWN_PEAKS = {
 }
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Matmul FLOPs of one forward pass per token (attention scores included)."""
+def layers_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Matmul FLOPs of the transformer layers per token in one forward pass,
+  the attention scores counted over all seq_len keys (the usual convention:
+  a causal mask is not halved)."""
   d, h, hd, m = cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, cfg.mlp_dim
   g = cfg.resolved_kv_heads
   n_mlp = 3 if cfg.mlp == "swiglu" else 2
   per_layer = 2 * ((2 * h + 2 * g) * d * hd + n_mlp * d * m) + 2 * 2 * seq_len * h * hd
-  return cfg.num_layers * per_layer + 2 * d * cfg.vocab_size
+  return cfg.num_layers * per_layer
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Matmul FLOPs of one forward pass per token (attention scores included)."""
+  return layers_flops_per_token(cfg, seq_len) + 2 * cfg.embed_dim * cfg.vocab_size
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   return 3.0 * forward_flops_per_token(cfg, seq_len)
+
+
+def block_diffusion_train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Per data token of a BD3-LM step over [x_t ; x_0]: the layers run on both
+  halves, each a sequence of seq_len (its attention counted over seq_len
+  keys, as an AR or MDLM step's is, not over the 2 * seq_len the layout
+  concatenates: the mask lets no query read more than seq_len), and the
+  vocabulary head on the noisy half only."""
+  return 3.0 * (2 * layers_flops_per_token(cfg, seq_len) + 2 * cfg.embed_dim * cfg.vocab_size)
 
 
 def matmul_operands(n: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:

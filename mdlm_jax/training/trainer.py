@@ -327,8 +327,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       """(tokens, FLOPs) of a step over rows of `length` (chat buckets make rows shorter)."""
       tokens = config.data.batch_size * length
       if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
-        # BD3-LM runs the network on [x_t ; x_0]: twice the tokens, twice the context.
-        return tokens, 2 * flops.train_flops_per_token(cfg, 2 * length) * tokens
+        return tokens, flops.block_diffusion_train_flops_per_token(cfg, length) * tokens
       return tokens, flops.train_flops_per_token(cfg, length) * tokens
 
     flops_per_step = step_cost(config.data.seq_len)[1]

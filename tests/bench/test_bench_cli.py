@@ -76,7 +76,8 @@ def test_bench_sample(tiny_checkpoints, tmp_path):
 
 def test_bench_kernels_on_cpu_checks_numerics():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-m", "mdlm_jax.bench", "kernels", "--json"], capture_output=True, text=True,
+  r = subprocess.run([sys.executable, "-m", "mdlm_jax.bench", "kernels", "--json", "--chunked-tiles=8,16",
+                      "--lengths=32,48", "--heads=2", "--head-dim=8", "--repeats=1"], capture_output=True, text=True,
                      env=env, timeout=900, cwd=REPO)
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -85,6 +86,11 @@ def test_bench_kernels_on_cpu_checks_numerics():
     if name.startswith("attention/"):
       assert check["loss_rel_err"] < 1e-5 and check["grad_max_abs_err"] < 1e-4, name
   assert out["numerics"]["confidence_head"]["tokens_equal"]
+  # --chunked-tiles times the chunked attention on any backend: every mask, length and tile.
+  timed = out["chunked_attention"]
+  assert set(timed) == {f"{m}/L={n}" for m in ("bidirectional", "causal", "block_diffusion") for n in (32, 48)}
+  assert all(set(row) == {"tile=8", "tile=16"} and all(v["fwd_bwd_ms"] > 0 for v in row.values())
+             for row in timed.values())
 
 
 def test_bench_longctx(tiny_checkpoints, tmp_path):

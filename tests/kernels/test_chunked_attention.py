@@ -2,6 +2,7 @@
 against the reference for every mask kind, forward and backward, and against
 a float64 numpy softmax; on fresh random inputs (the seed is in failures)."""
 
+import importlib
 import re
 
 import jax
@@ -66,6 +67,36 @@ def test_a_row_reading_nothing_is_zero_with_zero_gradients():
                              rtol=1e-6, atol=1e-6)
   grads = jax.grad(lambda q, k, v: run(q, k, v)[0, 0].sum(), argnums=(0, 1, 2))(q, k, v)
   assert all(np.all(np.asarray(g) == 0.0) for g in grads)
+
+
+@pytest.mark.parametrize("kind", ["block_diffusion", "segments"])
+def test_tiles_with_no_readable_key_are_skipped(kind, monkeypatch):
+  """Scores are computed for exactly the tiles whose dense mask allows some
+  key: a BD3 noisy tile's later noisy tiles and other documents' tiles,
+  inside a query tile's key range, cost nothing. Counted without jit, where
+  `lax.cond` runs only the branch it takes."""
+  module = importlib.import_module(chunked_attention.__module__)
+  rng = np.random.default_rng(fresh_seed())
+  tile = 8
+  if kind == "block_diffusion":
+    mask = AttentionMask(kind="block_diffusion", block_size=4)
+    l = 48
+  else:
+    l = 40
+    cuts = np.sort(rng.choice(np.arange(1, l), 3, replace=False))
+    seg = jnp.asarray(np.searchsorted(cuts, np.arange(l), side="right")[None], jnp.int32)
+    mask = AttentionMask(kind="causal", q_segment_ids=seg, kv_segment_ids=seg)
+  q, k, v, _ = rand_inputs(rng, 1, l, l, 2, 2, 8, jnp.float32)
+  dense = np.asarray(mask.dense(l, l))[0, 0]
+  nonempty = dense.reshape(l // tile, tile, l // tile, tile).any((1, 3)).sum()
+  calls = []
+  scores = module._scores
+  monkeypatch.setattr(module, "_scores", lambda *a, **kw: calls.append(1) or scores(*a, **kw))
+  with jax.disable_jit():
+    out = chunked_attention(q, k, v, mask, block_q=tile, block_k=tile)
+  assert len(calls) == nonempty < (l // tile) ** 2
+  np.testing.assert_allclose(np.asarray(out), np.asarray(kernels.attention_reference(q, k, v, mask=mask)),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_backward_keeps_no_score_matrix():

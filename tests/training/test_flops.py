@@ -1,0 +1,34 @@
+"""Model FLOPs per token (MFU's numerator) against a count from the weights'
+shapes: every matmul weight of the layers costs 2 FLOPs per weight per token,
+the scores and the value mix 2 * 2 * keys * head_dim per head, the
+vocabulary head 2 * d * V."""
+
+import jax
+import numpy as np
+import pytest
+
+from mdlm_jax.model.spec import model_spec
+from mdlm_jax.model.transformer import ModelConfig
+from mdlm_jax.training import flops
+
+
+def _layer_matmul_weights(cfg: ModelConfig) -> int:
+  leaves = jax.tree_util.tree_flatten_with_path(model_spec(cfg, None).abstract)[0]
+  return sum(int(np.prod(x.shape)) for path, x in leaves
+             if "blocks" in jax.tree_util.keystr(path) and len(x.shape) >= 2)
+
+
+@pytest.mark.parametrize("kw", [dict(num_kv_heads=2), dict(mlp="gelu", num_layers=3)])
+def test_flops_match_a_count_from_the_weights(kw):
+  rng = np.random.default_rng()
+  cfg = ModelConfig(**{**dict(vocab_size=int(rng.integers(30, 90)), num_layers=2, embed_dim=32, num_heads=4,
+                              mlp_dim=int(rng.integers(1, 5)) * 16), **kw})
+  seq_len = int(rng.integers(8, 64))
+  attention = cfg.num_layers * cfg.num_heads * 2 * 2 * seq_len * cfg.resolved_head_dim
+  layers = 2 * _layer_matmul_weights(cfg) + attention
+  head = 2 * cfg.embed_dim * cfg.vocab_size
+  assert flops.layers_flops_per_token(cfg, seq_len) == layers
+  assert flops.train_flops_per_token(cfg, seq_len) == 3 * (layers + head)
+  # BD3: the layers over both halves, each attending over one sequence's
+  # length; the head on the noisy half only.
+  assert flops.block_diffusion_train_flops_per_token(cfg, seq_len) == 3 * (2 * layers + head)
