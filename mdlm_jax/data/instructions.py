@@ -5,7 +5,8 @@
 Three kinds of example, as jsonl records. Two are conversations,
 `{"messages": [...], "tools": [...]}`, that the chat template
 (`checkpoints.chat_template`) renders:
-- write: the user gives a function's signature and docstring, the assistant
+- write: the user gives a function's signature and docstring, or says in
+  words what it does and what it is called (`REQUESTS`), and the assistant
   answers with the whole function (the docstring-to-body task HumanEval asks);
 - call: a real function's signature becomes a tool schema (its annotated
   parameters as JSON Schema types, its docstring's first paragraph as the
@@ -98,9 +99,36 @@ def functions(text: str) -> Iterator[Function]:
                    textwrap.dedent("".join(lines[start:end])).rstrip() + "\n", doc, tuple(params), imports)
 
 
-def write_example(fn: Function) -> dict:
+def signature(fn: Function) -> str:
+  """The `def` line(s) up to the colon before the docstring."""
+  head = fn.header.split("\n")
+  for n, line in enumerate(head):
+    if line.rstrip().endswith(":"):
+      return "\n".join(head[:n + 1])
+  return head[0]
+
+
+def summary(doc: str) -> str:
+  """A docstring's first paragraph on one line."""
+  return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+# How a write request is put: the header given as code, or the task said in
+# words (users ask both ways; a model tuned on one answers the other with EOS).
+REQUESTS = (
+    lambda fn: f"Complete this Python function.\n\n```python\n{fn.header}```",
+    lambda fn: f"Implement `{fn.name}`:\n\n```python\n{fn.header}```",
+    lambda fn: f"Write a Python function `{' '.join(signature(fn)[4:].rstrip(':').split())}`. {summary(fn.doc)}",
+    lambda fn: f"{summary(fn.doc)}\n\nWrite this as a Python function named `{fn.name}`.",
+)
+
+
+def write_example(fn: Function, rng: random.Random | None = None) -> dict:
+  """The function asked for in one of the REQUESTS' phrasings (the first
+  without `rng`), answered with the whole function."""
+  request = REQUESTS[0] if rng is None else rng.choice(REQUESTS)
   return {"messages": [
-      {"role": "user", "content": f"Complete this Python function.\n\n```python\n{fn.header}```"},
+      {"role": "user", "content": request(fn)},
       {"role": "assistant", "content": f"```python\n{fn.source}```"}]}
 
 
@@ -164,7 +192,7 @@ def mine(documents: Sequence[str], *, per_file: int = 2, seed: int = 0,
   out = []
   for fns in found:
     for fn in rng.sample(fns, min(per_file, len(fns))):
-      out.append(write_example(fn))
+      out.append(write_example(fn, rng))
       if (infill := infill_example(fn, rng)) is not None:
         out.append(infill)
     callable_ = [(f, s) for f in fns if (s := tool_schema(f)) is not None]

@@ -1,6 +1,7 @@
 """Instructions mined from code: write-the-function and tool-call conversations."""
 
 import json
+import random
 
 import jsonschema
 
@@ -56,6 +57,37 @@ def test_functions_and_their_schemas():
   assert list(instructions.functions("def broken(:\n")) == []
 
 
+def test_write_requests_are_put_in_several_phrasings():
+  """The header as code or the task in words, each naming the function; the
+  answer is always the whole function."""
+  src = MODULE + """
+
+def join_all(
+    parts: list,
+    sep: str = ",",
+):
+    \"\"\"Join parts with sep.
+
+    Empty parts are kept.
+    \"\"\"
+    text = sep.join(parts)
+    return text
+"""
+  fns = {f.name: f for f in instructions.functions(src)}
+  assert instructions.signature(fns["join_all"]) == 'def join_all(\n    parts: list,\n    sep: str = ",",\n):'
+  assert instructions.summary(fns["join_all"].doc) == "Join parts with sep."
+  seen = set()
+  for seed in range(40):
+    e = instructions.write_example(fns["join_all"], random.Random(seed))
+    user, answer = e["messages"][0]["content"], e["messages"][1]["content"]
+    assert "join_all" in user and answer == "```python\n" + fns["join_all"].source + "```"
+    seen.add(user)
+  assert len(seen) == len(instructions.REQUESTS)
+  assert 'Write a Python function `join_all( parts: list, sep: str = ",", )`. Join parts with sep.' in seen
+  assert "Join parts with sep.\n\nWrite this as a Python function named `join_all`." in seen
+  assert instructions.write_example(fns["scale"])["messages"][0]["content"].startswith("Complete this Python function.")
+
+
 def test_mined_conversations_render_and_calls_validate():
   docs = [MODULE, MODULE.replace("scale", "shrink").replace("greet", "wave")]
   examples = instructions.mine(docs, per_file=2, seed=1)
@@ -71,8 +103,9 @@ def test_mined_conversations_render_and_calls_validate():
     schema = next(t for t in e["tools"] if t["function"]["name"] == call["name"])
     jsonschema.validate(json.loads(call["arguments"]), schema["function"]["parameters"])
     assert len({t["function"]["name"] for t in e["tools"]}) == len(e["tools"]) >= 2
-  w = writes[0]["messages"]
-  assert w[0]["content"].startswith("Complete this Python function.") and w[1]["content"].startswith("```python\ndef ")
+  for e in writes:
+    user, answer = e["messages"][0]["content"], e["messages"][1]["content"]
+    assert answer.startswith("```python\ndef ") and answer.split("def ")[1].split("(")[0] in user
 
 
 def test_build_keeps_held_out_files_apart(tmp_path):
@@ -86,7 +119,7 @@ def test_build_keeps_held_out_files_apart(tmp_path):
   held = [json.loads(line) for line in open(tmp_path / "out" / "heldout.jsonl")]
   assert counts["train"]["examples"] == len(train) > 0 and counts["heldout"]["examples"] == len(held) > 0
   names = lambda rows: {m["content"].split("def ")[1].split("(")[0] for r in rows for m in r.get("messages", [])
-                        if m["role"] == "user" and "def " in m["content"]}
+                        if m["role"] == "assistant" and m["content"].startswith("```python\ndef ")}
   infilled = lambda rows: {r["fim"]["prefix"].split("def ")[1].split("(")[0] for r in rows if "fim" in r}
   assert counts["train"]["infills"] == len(infilled(train)) > 0
   assert infilled(held) and not infilled(train) & infilled(held) and not infilled(train) & names(held)
