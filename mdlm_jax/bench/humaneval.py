@@ -31,6 +31,7 @@ the requests to a running server (/v1/fim/completions, /v1/completions).
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import math
@@ -300,8 +301,17 @@ def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tok
   out = score(tasks, answers, ks, jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
   exact = sum(a[0] == t.answer for t, a in zip(tasks, answers)) / max(len(tasks), 1)
   out.update(generation_s=gen_s, exact_match=exact, examples=[
-      {"task_id": t.task_id, "answer": a[0], "canonical": t.answer} for t, a in list(zip(tasks, answers))[:3]])
+      {"task_id": t.task_id, "answer": a[0], "canonical": t.answer} for t, a in list(zip(tasks, answers))[:3]],
+      **answer_spread([a for row in answers for a in row]))
   return out
+
+
+def answer_spread(answers: Sequence[str], top: int = 5) -> dict:
+  """How varied the answers are: a model that writes one line for every hole
+  (`    return`) shows here before it shows in pass@k."""
+  counts = collections.Counter(answers)
+  return {"distinct_answers": len(counts),
+          "most_common_answers": [{"answer": a, "count": n} for a, n in counts.most_common(top)]}
 
 
 def parse(argv):

@@ -85,6 +85,24 @@ def test_score_counts_what_passes():
   assert mixed["pass@1"] == pytest.approx(0.25) and mixed["pass@2"] == pytest.approx(0.5)
 
 
+def test_run_mode_reports_how_varied_the_answers_are():
+  """Distinct answers and the most common, counted over every sample."""
+  class Fixed:
+    def __init__(self, texts):
+      self.texts = iter(texts)
+
+    def generate(self, prefixes, suffixes, *, max_tokens, stop, seed):
+      return [next(self.texts) for _ in prefixes]
+
+  tasks = he.infilling_tasks(problems()[:3])  # 2 + 1 + 1 holes
+  texts = ["    return\nmore", "    return\n", "    c = a + b\n", "x", "    return\n", "y", "    return\n", "x"]
+  out = he.run_mode(Fixed(texts), tasks, "single-line", samples=2, max_tokens=8, ks=[1], jobs=1, timeout_s=5.0,
+                    memory_mb=256)
+  assert out["distinct_answers"] == 4
+  assert out["most_common_answers"][0] == {"answer": "    return\n", "count": 4}
+  assert {"answer": "x\n", "count": 2} in out["most_common_answers"]
+
+
 @pytest.mark.slow
 def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, capsys):
   out = tmp_path / "he.json"
