@@ -111,8 +111,6 @@ def time_chunked_tiles(lengths, tiles, a) -> dict:
   out = {}
   for name, mask in masks.items():
     for length in lengths:
-      if name == "block_diffusion" and length % 16:
-        raise ValueError(f"--lengths: the BD3 layout needs a multiple of 16, got {length}")
       rng = np.random.default_rng(length)
       q, k, v = (jnp.asarray(rng.normal(size=(a.batch, length, a.heads, a.head_dim)), dt) for _ in range(3))
       row = {}
@@ -171,6 +169,9 @@ def main(argv):
   a = p.parse_args(argv)
   lengths = common.positive_ints(p, "--lengths", a.lengths)
   tiles = common.positive_ints(p, "--chunked-tiles", a.chunked_tiles) if a.chunked_tiles else None
+  if tiles and any(n % 16 for n in lengths):
+    p.error(f"--chunked-tiles times the BD3 mask over [x_t ; x_0] in blocks of 8: --lengths must be multiples"
+            f" of 16, got {a.lengths}")
   for flag in ("batch", "heads", "head_dim", "embed_dim", "vocab", "repeats"):
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
