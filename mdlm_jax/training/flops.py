@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
 
 import jax
@@ -84,5 +87,59 @@ def device_peak_flops(measure_if_unknown: bool = True) -> float:
     return float("nan")
   if jax.default_backend() == "cpu":
     # All CPU "devices" share the same cores: the peak is the machine's.
-    return measure_matmul_peak() / len(jax.devices())
+    return cpu_peak_flops() / len(jax.devices())
   return measure_matmul_peak(n=4096, dtype=jnp.bfloat16)
+
+
+# Where the best CPU peak measured on each machine is kept (`cpu_peak_flops`).
+PEAK_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mdlm_jax", "cpu_peak_flops.json")
+
+
+def cpu_machine_key() -> str:
+  """The CPU model and the cores this process may use: a peak belongs to both."""
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    pass
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return f"{model or 'cpu'} x{cores}"
+
+
+def cpu_peak_flops(measure=measure_matmul_peak, path: str | None = None) -> float:
+  """The machine's matmul peak: the higher of a measurement now and the best
+  one kept for this machine. A run that starts while other work holds the
+  cores measures a fraction of the peak and would report an MFU near 100%;
+  the kept best does not drop with it. The store is best effort: an
+  unwritable home only loses the memory."""
+  path = path or PEAK_CACHE
+  key = cpu_machine_key()
+  try:
+    with open(path) as f:
+      kept = json.load(f)
+    if not isinstance(kept, dict):
+      kept = {}
+  except (OSError, ValueError):
+    kept = {}
+  best = float(kept.get(key, 0.0))
+  now = measure()
+  if now > best:
+    kept[key] = best = now
+    _write_atomically(path, kept)
+  return best
+
+
+def _write_atomically(path: str, obj) -> None:
+  """`obj` as JSON at `path` through a temporary file and a rename, so that
+  concurrent runs each leave a whole file; an OSError leaves nothing."""
+  tmp = None
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+      json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+  except OSError:
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)

@@ -3,6 +3,9 @@ shapes: every matmul weight of the layers costs 2 FLOPs per weight per token,
 the scores and the value mix 2 * 2 * keys * head_dim per head, the
 vocabulary head 2 * d * V."""
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -32,3 +35,31 @@ def test_flops_match_a_count_from_the_weights(kw):
   # BD3: the layers over both halves, each attending over one sequence's
   # length; the head on the noisy half only.
   assert flops.block_diffusion_train_flops_per_token(cfg, seq_len) == 3 * (2 * layers + head)
+
+
+def test_cpu_peak_keeps_the_best_measurement_per_machine(tmp_path):
+  """A measurement taken while other work holds the cores must not lower the
+  peak MFU is reported against; a better one raises it, and the file it is
+  kept in stays valid JSON keyed by machine."""
+  path = str(tmp_path / "sub" / "peak.json")
+  rng = np.random.default_rng()
+  high = float(rng.uniform(1e11, 3e11))
+  low = high * float(rng.uniform(0.2, 0.6))
+  assert flops.cpu_peak_flops(lambda: low, path) == low
+  assert flops.cpu_peak_flops(lambda: high, path) == high
+  assert flops.cpu_peak_flops(lambda: low, path) == high  # contended: the kept best stands
+  with open(path) as f:
+    kept = json.load(f)
+  assert kept == {flops.cpu_machine_key(): high}
+  assert not [p for p in os.listdir(tmp_path / "sub") if p.endswith(".tmp")]
+
+
+def test_cpu_peak_survives_a_corrupt_or_unwritable_store(tmp_path):
+  bad = tmp_path / "peak.json"
+  bad.write_text("{not json")
+  assert flops.cpu_peak_flops(lambda: 5e10, str(bad)) == 5e10
+  assert json.loads(bad.read_text()) == {flops.cpu_machine_key(): 5e10}
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  # A path under a regular file cannot be created: the measurement is still returned.
+  assert flops.cpu_peak_flops(lambda: 7e10, str(blocked / "peak.json")) == 7e10
