@@ -7,10 +7,11 @@ memory-bound shape; and transformers' AR generate() when it is installed.
 Speeds are measured after a compile run of the same shapes, each the fastest
 of --repeats runs (outputs are deterministic; a shared machine's speed
 drifts, and the fastest run is the least disturbed one). Quality: the AR
-twin's per-token NLL of the generated text given the prompt (gen-PPL), and
-the fraction of prompt+completion texts that parse after truncation at the
-last complete line; the same figures for the held-out code that follows each
-prompt ("reference") say what real code scores. The AR twin runs in both
+twin's per-token NLL of the generated text given the prompt (gen-PPL); the
+fraction of prompt+completion texts whose complete lines are valid Python so
+far (`parses`); and the share of the completions' lines that repeat an
+earlier line of the same completion. The same figures for the held-out code
+that follows each prompt ("reference") say what real code scores. The AR twin runs in both
 weight layouts and the faster is its figure ("ar"): the baseline is never
 held to the diffusion default.
 """
@@ -18,11 +19,12 @@ held to the diffusion default.
 from __future__ import annotations
 
 import argparse
-import ast
+import codeop
 import json
 import math
 import sys
 import time
+import warnings
 
 from mdlm_jax.bench.common import add_output_flags, finish, positive_ints, save_figure
 from mdlm_jax.model.layers import WEIGHT_LAYOUTS
@@ -57,11 +59,25 @@ def truncate_to_complete_lines(text: str) -> str:
 
 
 def parses(text: str) -> bool:
-  try:
-    ast.parse(truncate_to_complete_lines(text))
-    return True
-  except (SyntaxError, ValueError):
-    return False
+  """Whether the text's complete lines are Python so far: a whole module, or
+  the start of one that later lines could finish (an open block, bracket or
+  docstring, as the compiler's incomplete-input mode tells them apart). A
+  completion is cut at a token budget, usually inside a block or a
+  docstring; a whole-module parse would fail real code cut the same way."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # SyntaxWarnings (escapes) are not errors
+    try:
+      codeop.compile_command(truncate_to_complete_lines(text), symbol="exec")
+      return True
+    except (SyntaxError, ValueError, OverflowError):
+      return False
+
+
+def repeated_lines(text: str) -> tuple[int, int]:
+  """(lines that repeat an earlier line of the text, lines), over its complete
+  non-blank lines, stripped: a greedy loop writes one line again and again."""
+  lines = [line.strip() for line in truncate_to_complete_lines(text).splitlines() if line.strip()]
+  return len(lines) - len(set(lines)), len(lines)
 
 
 def validation_examples(loaded, n: int, prompt_tokens: int, continuation_tokens: int = 0
@@ -96,12 +112,31 @@ def reference_quality(examples, tokenizer, scorer) -> dict:
   data's would score about this; much lower means text the AR twin finds
   likelier than real code (a weak twin's own greedy text repeats itself)."""
   nll = scored = parsed = 0
+  repeats = Repeats()
   for prompt, ids in examples:
     s, k = scorer([tokenizer.bos_id] + tokenizer.encode(prompt), list(ids))
     nll, scored = nll + s, scored + k
-    parsed += parses(prompt + tokenizer.decode(list(ids)))
+    text = tokenizer.decode(list(ids))
+    parsed += parses(prompt + text)
+    repeats.add(text)
   return {"gen_ppl": math.exp(nll / scored) if scored else float("nan"), "parse_rate": parsed / len(examples),
-          "new_tokens_mean": scored / len(examples)}
+          "repeated_line_rate": repeats.rate, "new_tokens_mean": scored / len(examples)}
+
+
+class Repeats:
+  """`repeated_lines` pooled over texts: the share of all their lines that
+  repeat an earlier line of the same text (nan without lines)."""
+
+  def __init__(self):
+    self.repeated = self.lines = 0
+
+  def add(self, text: str) -> None:
+    r, n = repeated_lines(text)
+    self.repeated, self.lines = self.repeated + r, self.lines + n
+
+  @property
+  def rate(self) -> float:
+    return self.repeated / self.lines if self.lines else float("nan")
 
 
 class GenPPL:
@@ -136,6 +171,7 @@ def run_setting(gen, prompts, batch, new_tokens, sampler, scorer, repeats: int =
   gen.generate(batches[0], max_new_tokens=new_tokens, sampler=sampler, **kw)  # compile
   tokens = passes = 0
   seconds, latencies, nll, scored, parsed, n = 0.0, [], 0.0, 0, 0, 0
+  repeats = Repeats()
   for b in batches:
     dt, r = fastest(lambda b=b: gen.generate(b, max_new_tokens=new_tokens, sampler=sampler, **kw), repeats)
     seconds += dt
@@ -145,13 +181,14 @@ def run_setting(gen, prompts, batch, new_tokens, sampler, scorer, repeats: int =
       tokens += len(c.tokens)
       n += 1
       parsed += parses(p + c.text)
+      repeats.add(c.text)
       if c.tokens:
         s, k = scorer(gen.encode_prompt(p), c.tokens)
         nll, scored = nll + s, scored + k
   return {"tokens_per_s": tokens / seconds, "tokens_per_forward": tokens / max(passes, 1) / batch,
           "latency_s": sum(latencies) / len(latencies), "new_tokens_mean": tokens / n,
           "gen_ppl": math.exp(nll / scored) if scored else float("nan"), "parse_rate": parsed / n,
-          "forward_passes_mean": passes / len(batches)}
+          "repeated_line_rate": repeats.rate, "forward_passes_mean": passes / len(batches)}
 
 
 def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1) -> dict:

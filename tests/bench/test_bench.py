@@ -1,5 +1,7 @@
 """Pieces of the benchmarks that compute numbers: checked against references."""
 
+import ast
+
 import jax
 import ml_collections
 import numpy as np
@@ -14,10 +16,42 @@ from mdlm_jax.model import ModelConfig
 
 def test_parse_rate_truncates_at_the_last_complete_line():
   assert bench_sample.truncate_to_complete_lines("a = 1\nb = (") == "a = 1\n"
-  assert bench_sample.parses("import os\nx = [1,")  # the unfinished last line is cut away
-  assert not bench_sample.parses("import os\nx = [1,\n")  # a complete line that does not parse
+  assert bench_sample.parses("import os\nx = [1,\ny = \"unfinished")  # the unfinished last line is cut away
   assert not bench_sample.parses("def f(:\n    pass\n")
+  assert not bench_sample.parses("x = = 1\n")
   assert bench_sample.parses("no newline at all (")  # nothing complete: the empty module
+
+
+def test_parse_rate_accepts_code_cut_inside_a_block_or_docstring():
+  """Code cut at a token budget is valid so far inside an open block, bracket
+  or docstring, which a whole-module parse rejects; code that no later lines
+  could mend is not."""
+  for cut in ('"""Module docstring,\nstill open\n', "def f(x):\n", "class A:\n    def g(self):\n",
+              "x = [1,\n", "if x:\n    y = {\n        'a': 1,\n"):
+    assert bench_sample.parses(cut), cut
+    try:
+      ast.parse(cut)
+      raise AssertionError(f"ast parses {cut!r}: not a cut the old check failed")
+    except SyntaxError:
+      pass
+  for bad in ("x = 1\n    y = 2\n", "if x:\n    y = 1\n  z = 2\n", "return = = file.((config)\n", "x = (]\n"):
+    assert not bench_sample.parses(bad), bad
+
+
+def test_repeated_lines_count_lines_written_again():
+  assert bench_sample.repeated_lines("a = 1\n  a = 1\n\nb = 2\na = 1\nc = (") == (2, 4)
+  assert bench_sample.repeated_lines("x\n") == (0, 1)
+  assert bench_sample.repeated_lines("unfinished") == (0, 0)
+  rng = np.random.default_rng()
+  lines = [f"v{i} = {i}" for i in rng.permutation(50)[:int(rng.integers(2, 10))]]
+  k = int(rng.integers(1, 5))
+  text = "\n".join(lines + [lines[0]] * k) + "\n"
+  assert bench_sample.repeated_lines(text) == (k, len(lines) + k)
+  pooled = bench_sample.Repeats()
+  for t in ("a\na\n", "b\nc\n", ""):
+    pooled.add(t)
+  assert pooled.rate == 1 / 4
+  assert np.isnan(bench_sample.Repeats().rate)
 
 
 def test_gen_ppl_is_the_ar_nll_of_the_completion_only():
@@ -68,6 +102,7 @@ def test_reference_quality_scores_the_true_continuations():
   ids = [i for _, c in examples for i in c]
   np.testing.assert_allclose(got["gen_ppl"], np.exp(0.01 * sum(ids) / len(ids)), rtol=1e-12)
   assert got["parse_rate"] == 2 / 3  # "def f(:" never parses; "a" alone does
+  assert got["repeated_line_rate"] == 0.0  # "y = 3", "pass": no line written twice
   assert got["new_tokens_mean"] == len(ids) / 3
 
 
