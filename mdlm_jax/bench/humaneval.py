@@ -119,6 +119,17 @@ def cut(mode: str, text: str) -> str:
   return cut_completion(text) if mode == "complete" else text
 
 
+def null_answer(mode: str, task: Task) -> str | None:
+  """An answer that does nothing: `pass` at the hole's indentation. Some
+  canonical lines can go (a redundant `else:` branch, a no-op), so this
+  passes a few line holes: the floor an infilling score is read against.
+  None where no such answer exists (spans cut inside a line, completions)."""
+  if mode not in ("single-line", "multi-line"):
+    return None
+  first = task.answer.splitlines()[0]
+  return first[:len(first) - len(first.lstrip())] + "pass\n"
+
+
 def completion_tasks(problems: Sequence[dict]) -> list[Task]:
   return [Task(p["task_id"], p["prompt"], "", p["canonical_solution"], _test(p)) for p in problems]
 
@@ -300,6 +311,10 @@ def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tok
   gen_s = time.perf_counter() - t0
   out = score(tasks, answers, ks, jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
   exact = sum(a[0] == t.answer for t, a in zip(tasks, answers)) / max(len(tasks), 1)
+  if mode in ("single-line", "multi-line"):
+    floor = score(tasks, [[null_answer(mode, t)] for t in tasks], [1], jobs=jobs, timeout_s=timeout_s,
+                  memory_mb=memory_mb)
+    out.update(null_answer_pass=floor["pass@1"], null_answer_passed=len(floor["passed"]))
   out.update(generation_s=gen_s, exact_match=exact, examples=[
       {"task_id": t.task_id, "answer": a[0], "canonical": t.answer} for t, a in list(zip(tasks, answers))[:3]],
       **answer_spread([a for row in answers for a in row]))
@@ -389,9 +404,10 @@ def main(argv=None):
     for mode in a.modes:
       result[mode] = run_mode(backend, tasks[mode], mode, samples=a.samples, max_tokens=bounds[mode], ks=a.k,
                               jobs=a.jobs, timeout_s=a.timeout, memory_mb=a.memory_mb)
+      floor = result[mode].get("null_answer_pass")
       print(f"{mode}: " + ", ".join(f"{k} {v:.3f}" for k, v in result[mode].items() if k.startswith("pass@")) +
-            f" over {result[mode]['tasks']} tasks ({result[mode]['generation_s']:.0f}s to generate)",
-            file=sys.stderr, flush=True)
+            f" over {result[mode]['tasks']} tasks ({result[mode]['generation_s']:.0f}s to generate)" +
+            ("" if floor is None else f"; `pass` in every hole passes {floor:.3f}"), file=sys.stderr, flush=True)
   finally:
     backend.close()
   for mode in a.modes:

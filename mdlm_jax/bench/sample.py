@@ -171,7 +171,7 @@ def run_setting(gen, prompts, batch, new_tokens, sampler, scorer, repeats: int =
   gen.generate(batches[0], max_new_tokens=new_tokens, sampler=sampler, **kw)  # compile
   tokens = passes = 0
   seconds, latencies, nll, scored, parsed, n = 0.0, [], 0.0, 0, 0, 0
-  repeats = Repeats()
+  lines = Repeats()
   for b in batches:
     dt, r = fastest(lambda b=b: gen.generate(b, max_new_tokens=new_tokens, sampler=sampler, **kw), repeats)
     seconds += dt
@@ -181,14 +181,14 @@ def run_setting(gen, prompts, batch, new_tokens, sampler, scorer, repeats: int =
       tokens += len(c.tokens)
       n += 1
       parsed += parses(p + c.text)
-      repeats.add(c.text)
+      lines.add(c.text)
       if c.tokens:
         s, k = scorer(gen.encode_prompt(p), c.tokens)
         nll, scored = nll + s, scored + k
   return {"tokens_per_s": tokens / seconds, "tokens_per_forward": tokens / max(passes, 1) / batch,
           "latency_s": sum(latencies) / len(latencies), "new_tokens_mean": tokens / n,
           "gen_ppl": math.exp(nll / scored) if scored else float("nan"), "parse_rate": parsed / n,
-          "repeated_line_rate": repeats.rate, "forward_passes_mean": passes / len(batches)}
+          "repeated_line_rate": lines.rate, "forward_passes_mean": passes / len(batches)}
 
 
 def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1) -> dict:

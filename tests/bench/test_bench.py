@@ -106,6 +106,32 @@ def test_reference_quality_scores_the_true_continuations():
   assert got["new_tokens_mean"] == len(ids) / 3
 
 
+def test_run_setting_times_each_batch_and_pools_quality():
+  """Fake generator and scorer: every figure follows from what they return,
+  and each batch is generated 1 (compile) + `repeats` times."""
+  from types import SimpleNamespace
+
+  calls = []
+
+  class Gen:
+    def generate(self, batch, *, max_new_tokens, sampler):
+      calls.append(list(batch))
+      done = [SimpleNamespace(text="x = 1\nx = 1\n", tokens=[5, 6, 7]) for _ in batch]
+      return SimpleNamespace(forward_passes=2, completions=done)
+
+    def encode_prompt(self, p):
+      return [1]
+
+  got = bench_sample.run_setting(Gen(), ["a = (", "b = 2\n", "c", "d"], 2, 3, None,
+                                 lambda prompt, completion: (0.5 * len(completion), len(completion)), repeats=3)
+  assert len(calls) == 1 + 2 * 3
+  assert got["tokens_per_forward"] == 6 / 2 / 2  # 6 tokens a batch, 2 passes, 2 rows
+  assert got["forward_passes_mean"] == 2 and got["new_tokens_mean"] == 3
+  np.testing.assert_allclose(got["gen_ppl"], np.exp(0.5), rtol=1e-12)
+  assert got["parse_rate"] == 3 / 4  # "a = (x = 1" ... does not parse
+  assert got["repeated_line_rate"] == 0.5  # of each completion's two lines, one repeats
+
+
 def test_bench_train_finds_the_default_config():
   c = bench_train.load_config(bench_train.default_config_path())
   assert c.data.seq_len == 384 and c.objective == "mdlm"

@@ -103,6 +103,25 @@ def test_run_mode_reports_how_varied_the_answers_are():
   assert {"answer": "x\n", "count": 2} in out["most_common_answers"]
 
 
+def test_the_null_answer_floor_counts_holes_that_need_nothing():
+  """`pass` at the hole's indentation: only the no-op line's hole passes."""
+  noop = {"task_id": "HumanEval/9", "prompt": "def g(x):\n", "entry_point": "g",
+          "canonical_solution": "    if x < 0:\n        x = x\n    return x\n",
+          "test": "def check(f):\n    assert f(-2) == -2 and f(3) == 3\n"}
+  tasks = he.infilling_tasks([noop])
+  assert [he.null_answer("single-line", t) for t in tasks] == ["    pass\n", "        pass\n", "    pass\n"]
+  assert he.null_answer("random-span", tasks[0]) is None and he.null_answer("complete", tasks[0]) is None
+
+  class Canonical:
+    def generate(self, prefixes, suffixes, *, max_tokens, stop, seed):
+      return [t.answer for t in tasks]
+
+  out = he.run_mode(Canonical(), tasks, "single-line", samples=1, max_tokens=8, ks=[1], jobs=1, timeout_s=5.0,
+                    memory_mb=256)
+  assert out["pass@1"] == 1.0
+  assert out["null_answer_passed"] == 1 and out["null_answer_pass"] == pytest.approx(1 / 3)
+
+
 @pytest.mark.slow
 def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, capsys):
   out = tmp_path / "he.json"
