@@ -311,9 +311,9 @@ def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tok
   gen_s = time.perf_counter() - t0
   out = score(tasks, answers, ks, jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
   exact = sum(a[0] == t.answer for t, a in zip(tasks, answers)) / max(len(tasks), 1)
-  if mode in ("single-line", "multi-line"):
-    floor = score(tasks, [[null_answer(mode, t)] for t in tasks], [1], jobs=jobs, timeout_s=timeout_s,
-                  memory_mb=memory_mb)
+  nulls = [null_answer(mode, t) for t in tasks]
+  if nulls and nulls[0] is not None:
+    floor = score(tasks, [[a] for a in nulls], [1], jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
     out.update(null_answer_pass=floor["pass@1"], null_answer_passed=len(floor["passed"]))
   out.update(generation_s=gen_s, exact_match=exact, examples=[
       {"task_id": t.task_id, "answer": a[0], "canonical": t.answer} for t, a in list(zip(tasks, answers))[:3]],
