@@ -38,6 +38,12 @@ def parse(argv):
                       " for which cached blocks ignore the masked blocks to their right)")
   p.add_argument("--temperature", type=float, default=None)
   p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens with this mass")
+  p.add_argument("--presence-penalty", type=float, default=None,
+                 help="subtracted from the logit of every token already generated (OpenAI's, in [-2, 2])")
+  p.add_argument("--frequency-penalty", type=float, default=None,
+                 help="subtracted from a token's logit once per time it was generated (OpenAI's, in [-2, 2])")
+  p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                 help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans it)")
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
@@ -60,6 +66,16 @@ def parse(argv):
       p.error("--infill-lengths must be positive")
   if len(a.stop) > 4:
     p.error("at most 4 --stop strings")
+  bias = []
+  for item in a.logit_bias:
+    tok, eq, value = item.partition("=")
+    try:
+      if not eq:
+        raise ValueError
+      bias.append((int(tok), float(value)))
+    except ValueError:
+      p.error(f"--logit-bias takes ID=BIAS (a token id and a number), got {item!r}")
+  a.logit_bias = tuple(bias)
   return a
 
 
@@ -98,13 +114,15 @@ def main(argv=None):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
                          " --block-size, --threshold, --min-tokens and --no-kv-cache apply to diffusion models only")
       sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0,
-                          top_p=1.0 if a.top_p is None else a.top_p)
+                          top_p=1.0 if a.top_p is None else a.top_p, presence_penalty=a.presence_penalty or 0.0,
+                          frequency_penalty=a.frequency_penalty or 0.0, logit_bias=a.logit_bias)
     else:
       try:
         sampler = presets.for_model(a.effort, loaded.config.diffusion.get("block_size", 0), sampler=a.sampler,
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
-                                    kv_cache=False if a.no_kv_cache else None)
+                                    kv_cache=False if a.no_kv_cache else None, presence_penalty=a.presence_penalty,
+                                    frequency_penalty=a.frequency_penalty, logit_bias=a.logit_bias or None)
       except ValueError as e:  # the sampler names its field; the user typed the flag
         raise ValueError(re.sub(r"^(\w+) must", lambda m: f"--{m.group(1).replace('_', '-')} must", str(e))) from e
     prompts = [a.prompt] * a.num_samples

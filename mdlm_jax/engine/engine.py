@@ -521,6 +521,7 @@ class Engine:
     if not isinstance(smp, ThresholdSampler) or not smp.kv_cache or smp.block_size != self.sc.block_size:
       raise ValueError(f"the engine decodes with a KV-cached ThresholdSampler in blocks of {self.sc.block_size}"
                        f" (engine.sampler_for builds one); got {smp!r}")
+    smp.check_vocabulary(self.sc.vocab_size)
 
   def _mesh_context(self):
     import contextlib
@@ -926,7 +927,7 @@ def _place(x: np.ndarray, sharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-_SETTINGS = ("threshold", "temperature", "top_p")  # the sampler's floats that travel
+_SETTINGS = ("threshold", "temperature", "top_p", "presence_penalty", "frequency_penalty")  # floats that travel
 
 
 def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
@@ -938,7 +939,9 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
          "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
          "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
          "guide_tokens": np.zeros((n, sc.block_size), np.int32),
-         "guide_allowed": np.zeros((n, sc.bitmask_words), np.uint32)}
+         "guide_allowed": np.zeros((n, sc.bitmask_words), np.uint32),
+         "bias_ids": np.full((n, rule.MAX_LOGIT_BIAS), rule.NO_BIAS_ID, np.int32),
+         "bias": np.zeros((n, rule.MAX_LOGIT_BIAS), np.float32)}
   out["release"][turn.release] = 1
   for i, (row, tokens, cursor, allowed, proposed) in enumerate(turn.guides):
     out["guide_ints"][i] = (row, len(tokens), cursor, proposed)
@@ -947,6 +950,7 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   for i, (row, r, key, start, stop) in enumerate(turn.admits):
     out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids), start, stop)
     out["floats"][i] = [getattr(r.sampler, f) for f in _SETTINGS]
+    out["bias_ids"][i], out["bias"][i] = rule.bias_arrays(r.sampler.logit_bias)
     out["keys"][i] = key
     ids = list(r.prompt_ids) + list(r.suffix_ids)
     out["prompts"][i, :len(ids)] = ids
@@ -960,9 +964,11 @@ def _decode(a: dict[str, np.ndarray], sc) -> Turn:
   admits = []
   for i in range(n_admits):
     row, plen, max_tokens, min_tokens, slen, start, end = (int(v) for v in a["ints"][i])
-    threshold, temperature, top_p = (float(v) for v in a["floats"][i])
+    threshold, temperature, top_p, presence, frequency = (float(v) for v in a["floats"][i])
+    bias = tuple((int(t), float(b)) for t, b in zip(a["bias_ids"][i], a["bias"][i]) if t != rule.NO_BIAS_ID)
     sampler = ThresholdSampler(block_size=sc.block_size, kv_cache=True, threshold=threshold, min_tokens=min_tokens,
-                               temperature=temperature, top_p=top_p)
+                               temperature=temperature, top_p=top_p, presence_penalty=presence,
+                               frequency_penalty=frequency, logit_bias=bias)
     admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
                                 suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
                    a["keys"][i].astype(np.uint32), start, end))

@@ -198,6 +198,7 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   d = s.decoding
   columns = lo[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
   keys = rule.pass_keys(s.key, s.block, s.step)
+  logits = _move_logits(sc, s, logits)
   if guided:
     logits = _allow_at_cursor(logits, s, lo)
   x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
@@ -217,6 +218,18 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     s = s.replace(proposal=jnp.where(guided_rows[:, None], x0, s.proposal),
                   picked=jnp.where(guided_rows[:, None], picked, s.picked), proposed=guided_rows)
   return _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
+
+
+def _move_logits(sc: SlotConfig, s: Slots, logits):
+  """Each row's logit_bias and penalties (`rule.penalize`), counting the tokens
+  its generation region holds; skipped when no row asks for any."""
+  d = s.decoding
+  asks = (d.presence_penalty != 0) | (d.frequency_penalty != 0) | jnp.any(d.bias_ids != rule.NO_BIAS_ID, axis=-1)
+
+  def moved():
+    counts = rule.token_counts(s.gen, s.gen != sc.mask_id, logits.shape[-1])
+    return rule.penalize(logits, counts, d.presence_penalty, d.frequency_penalty, d.bias_ids, d.bias)
+  return lax.cond(jnp.any(asks & s.active), moved, lambda: logits.astype(jnp.float32))
 
 
 def _top_logprobs(logits, never: tuple[int, ...]):

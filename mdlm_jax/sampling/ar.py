@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
 
 if TYPE_CHECKING:
@@ -47,13 +48,18 @@ class ARSampler:
   max_new_tokens: tokens generated per row (exactly, unless EOS comes first);
   temperature: 0 = greedy; top_p: nucleus mass, 1.0 = off; never: ids never
   sampled (the markers a model reads but never writes,
-  `tokenizer.never_generated`).
+  `tokenizer.never_generated`); presence_penalty, frequency_penalty,
+  logit_bias: OpenAI's logit moves over the tokens generated so far, as the
+  diffusion samplers apply them (`rule.penalize`).
   """
 
   max_new_tokens: int
   temperature: float = 1.0
   top_p: float = 1.0
   never: tuple[int, ...] = ()
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -62,6 +68,17 @@ class ARSampler:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+    object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+    self._check_moves()
+
+  def _check_moves(self, vocab_size: int | None = None) -> None:
+    rule.check(threshold=0.5, min_tokens=1, temperature=0.0, top_p=1.0, presence_penalty=self.presence_penalty,
+               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, vocab_size=vocab_size)
+
+  @property
+  def moves_logits(self) -> bool:
+    return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
   def generate(self, spec: "ModelSpec", params: Any, prompt_tokens: Int[Array, "b p"],
                prompt_valid: Bool[Array, "b p"], key: PRNGKeyArray, *, eos_id: int,
@@ -78,6 +95,7 @@ class ARSampler:
       raise ValueError("AR sampling needs a causal model (model.causal=True)")
     if spec.cfg.time_conditioning:
       raise ValueError("AR sampling needs a model without time conditioning")
+    self._check_moves(spec.cfg.vocab_size)
     return _generate(self, spec.graphdef, params, jnp.asarray(prompt_tokens, jnp.int32),
                      jnp.asarray(prompt_valid, jnp.bool_), key, jnp.int32(eos_id), jnp.int32(pad_id))
 
@@ -87,8 +105,18 @@ def _generate(sampler: ARSampler, graphdef, params, prompt, prompt_valid, key, e
   model = nnx.merge(graphdef, params)
   b, p = prompt.shape
   n = sampler.max_new_tokens
-  sample = functools.partial(sample_token, temperature=sampler.temperature, top_p=sampler.top_p,
-                             never=sampler.never)
+  draw = functools.partial(sample_token, temperature=sampler.temperature, top_p=sampler.top_p,
+                           never=sampler.never)
+
+  def sample(logits, key, tokens, i):
+    """Token i, after the logit moves over tokens[:, :i], what each row generated so far."""
+    if sampler.moves_logits:
+      ids, bias = rule.bias_arrays(sampler.logit_bias)
+      counted = jnp.broadcast_to(jnp.arange(n) < i, tokens.shape)
+      counts = rule.token_counts(tokens, counted, logits.shape[-1])
+      logits = rule.penalize(logits[:, None], counts, sampler.presence_penalty, sampler.frequency_penalty,
+                             ids[None], bias[None])[:, 0]
+    return draw(logits, key)
   # Positions count real tokens only, so a row's result does not depend on its padding.
   positions = jnp.maximum(jnp.cumsum(prompt_valid, axis=1, dtype=jnp.int32) - 1, 0)
   num_real = jnp.sum(prompt_valid, axis=1, dtype=jnp.int32)
@@ -103,9 +131,9 @@ def _generate(sampler: ARSampler, graphdef, params, prompt, prompt_valid, key, e
     lengths = lengths + jnp.logical_not(jnp.logical_or(done, is_eos)).astype(jnp.int32)
     return tokens, jnp.logical_or(done, is_eos), lengths
 
-  tok = sample(logits[:, -1], jax.random.fold_in(key, 0))  # left padding: the last column is real
-  tokens, done, lengths = record(jnp.full((b, n), pad_id, jnp.int32), jnp.zeros((b,), jnp.bool_),
-                                 jnp.zeros((b,), jnp.int32), 0, tok)
+  tokens = jnp.full((b, n), pad_id, jnp.int32)
+  tok = sample(logits[:, -1], jax.random.fold_in(key, 0), tokens, 0)  # left padding: the last column is real
+  tokens, done, lengths = record(tokens, jnp.zeros((b,), jnp.bool_), jnp.zeros((b,), jnp.int32), 0, tok)
 
   def cond(s):
     i, _, _, done, _, _ = s
@@ -114,7 +142,7 @@ def _generate(sampler: ARSampler, graphdef, params, prompt, prompt_valid, key, e
   def body(s):
     i, cache, tokens, done, lengths, tok = s
     logits, cache = model.forward_cached(tok[:, None], (num_real + i - 1)[:, None], cache, commit=True)
-    tok = sample(logits[:, 0], jax.random.fold_in(key, i))
+    tok = sample(logits[:, 0], jax.random.fold_in(key, i), tokens, i)
     tokens, done, lengths = record(tokens, done, lengths, i, tok)
     return i + 1, cache, tokens, done, lengths, tok
 

@@ -10,6 +10,13 @@
    row's first undecided column to what the grammar allows there, and the
    host commits the longest grammatical prefix (`sampling.grammar`).
 
+Before the proposal a row's logits may be moved (`penalize`): OpenAI's
+logit_bias, presence_penalty and frequency_penalty, the counts being the
+tokens the row has committed so far anywhere in its generation region
+(diffusion commits out of order). Proposal and confidence both read the
+moved logits, so a banned token is never proposed and a penalised one needs
+more certainty to pass the threshold.
+
 Both are vectorised over rows with per-row settings, so requests of different
 efforts share one pass (the engine), and the one-shot samplers call the same
 functions with their settings broadcast over the batch.
@@ -34,6 +41,8 @@ from mdlm_jax.kernels.numerics import NEG_INF
 from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
 
 NEVER = 2.0  # a threshold no probability reaches: commit by rank alone
+MAX_LOGIT_BIAS = 300  # the most logit_bias entries a row may carry
+NO_BIAS_ID = 2 ** 30  # a free logit_bias entry: an id past any vocabulary, dropped by the scatter
 
 
 @struct.dataclass
@@ -44,13 +53,49 @@ class Decoding:
   min_tokens: Int[Array, "b"]
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
+  presence_penalty: Float[Array, "b"]
+  frequency_penalty: Float[Array, "b"]
+  bias_ids: Int[Array, "b k"]  # logit_bias token ids, NO_BIAS_ID where free (k = MAX_LOGIT_BIAS)
+  bias: Float[Array, "b k"]
 
   @classmethod
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
-                top_p: float = 1.0) -> "Decoding":
+                top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                logit_bias: tuple[tuple[int, float], ...] = ()) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
+    ids, values = bias_arrays(logit_bias)
     return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(temperature, np.float32),
-               full(top_p, np.float32))
+               full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
+               np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
+
+
+def bias_arrays(logit_bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+  """A row's logit_bias as fixed-size (ids [MAX_LOGIT_BIAS] int32, values
+  float32), the free entries NO_BIAS_ID and 0."""
+  ids = np.full((MAX_LOGIT_BIAS,), NO_BIAS_ID, np.int32)
+  values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
+  for i, (tok, value) in enumerate(logit_bias):
+    ids[i], values[i] = tok, value
+  return ids, values
+
+
+def token_counts(tokens: Int[Array, "b l"], counted: Bool[Array, "b l"], vocab: int) -> Float[Array, "b v"]:
+  """How often each id occurs among a row's `counted` tokens."""
+  ids = jnp.where(counted, tokens, vocab)  # past the vocabulary: dropped
+  return jax.vmap(lambda r: jnp.zeros((vocab,), jnp.float32).at[r].add(1.0, mode="drop"))(ids)
+
+
+def penalize(logits: Float[Array, "b t v"], counts: Float[Array, "b v"], presence_penalty, frequency_penalty,
+             bias_ids: Int[Array, "b k"], bias: Float[Array, "b k"]) -> Float[Array, "b t v"]:
+  """float32 logits moved as OpenAI's API moves them, per row:
+  logit[v] + bias[v] - presence_penalty * [count[v] > 0] - frequency_penalty * count[v].
+  Penalties are [B] arrays or scalars; the same move for every position of a row."""
+  b, _, v = logits.shape
+  dense = jax.vmap(lambda i, x: jnp.zeros((v,), jnp.float32).at[i].add(x, mode="drop"))(
+      jnp.asarray(bias_ids, jnp.int32), jnp.asarray(bias, jnp.float32))
+  per_row = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,))[:, None]  # noqa: E731
+  delta = dense - per_row(presence_penalty) * (counts > 0) - per_row(frequency_penalty) * counts
+  return logits.astype(jnp.float32) + delta[:, None, :]
 
 
 def pass_keys(key_data: jax.Array, *ids) -> jax.Array:
@@ -155,8 +200,26 @@ def allow(logits: Float[Array, "... v"], bitmask) -> Float[Array, "... v"]:
   return jnp.where(ok, logits, NEG_INF)
 
 
-def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float) -> None:
+def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float, presence_penalty: float = 0.0,
+          frequency_penalty: float = 0.0, logit_bias: tuple[tuple[int, float], ...] = (),
+          vocab_size: int | None = None) -> None:
   """The one validator of the rule's settings (ValueError naming the field)."""
+  for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+    if not -2.0 <= value <= 2.0:
+      raise ValueError(f"{name} must be in [-2, 2], got {value}")
+  if len(logit_bias) > MAX_LOGIT_BIAS:
+    raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}")
+  seen = set()
+  for tok, value in logit_bias:
+    if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)) or tok < 0:
+      raise ValueError(f"logit_bias: token ids must be non-negative integers, got {tok!r}")
+    if vocab_size is not None and tok >= vocab_size:
+      raise ValueError(f"logit_bias: token id {tok} is outside the vocabulary of {vocab_size}")
+    if tok in seen:
+      raise ValueError(f"logit_bias: token id {tok} appears twice")
+    seen.add(tok)
+    if not -100.0 <= value <= 100.0:
+      raise ValueError(f"logit_bias: the bias of token {tok} must be in [-100, 100], got {value}")
   if not 0.0 <= threshold <= 1.0 and threshold != NEVER:
     raise ValueError(f"threshold must be in [0, 1], got {threshold}")
   if min_tokens < 1:
@@ -167,4 +230,5 @@ def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-__all__ = ["Decoding", "NEVER", "allow", "check", "commit", "noise_words", "pass_keys", "propose", "rank_desc", "row_keys"]
+__all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "check", "commit", "noise_words",
+           "pass_keys", "penalize", "propose", "rank_desc", "row_keys", "token_counts"]

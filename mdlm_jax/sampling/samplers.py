@@ -89,16 +89,45 @@ class _ConfidenceBase:
   # fused confidence head (a kernel on GPU/TPU when model.attention selects
   # one; the materialised logits, and the same samples, elsewhere).
   fused_head: bool = False
+  # OpenAI's logit moves (`rule.penalize`), counting the tokens committed so
+  # far in the generation region; logit_bias is ((token id, bias), ...).
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     if self.block_size < 0:
       raise ValueError(f"block_size must be >= 0, got {self.block_size}")
+    # Hashable whatever the caller passed ({id: bias} or pairs): the sampler is a static argument.
+    bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+    object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
     rule.check(**self._rule_fields())
 
-  def _rule_fields(self) -> dict:
-    return {"threshold": 0.5, "min_tokens": 1, "temperature": self.temperature, "top_p": self.top_p}
+  def check_vocabulary(self, vocab_size: int) -> None:
+    """The settings again, logit_bias's ids now checked against the model's vocabulary."""
+    rule.check(**self._rule_fields(), vocab_size=vocab_size)
 
-  def _propose(self, logits, keys, columns, lay: Layout):
+  def _rule_fields(self) -> dict:
+    return {"threshold": 0.5, "min_tokens": 1, **self._move_fields()}
+
+  def _move_fields(self) -> dict:
+    return {"temperature": self.temperature, "top_p": self.top_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias}
+
+  @property
+  def moves_logits(self) -> bool:
+    return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+  def _propose(self, logits, keys, columns, lay: Layout, tokens, valid):
+    if self.moves_logits:
+      logits = logits.logits() if isinstance(logits, kernels.HeadInput) else logits
+      v = logits.shape[-1]
+      self.check_vocabulary(v)
+      cols = jnp.arange(tokens.shape[1])
+      counted = valid & (tokens != lay.mask_id) & (cols >= lay.gen_start) & (cols < lay.gen_start + lay.gen_len)
+      ids, bias = rule.bias_arrays(self.logit_bias)
+      logits = rule.penalize(logits, rule.token_counts(tokens, counted, v), self.presence_penalty,
+                             self.frequency_penalty, ids[None], bias[None])
     return rule.propose(logits, keys, columns, lay.never_proposed, self.temperature, self.top_p)
 
   @property
@@ -131,7 +160,7 @@ class _ConfidenceBase:
       frac = jnp.sum(masked, axis=-1) / lay.gen_len
       logits = denoise(tokens, frac.astype(jnp.float32))
       x0, conf = self._propose(logits, rule.pass_keys(keys, s["block"], s["step"]),
-                               jnp.maximum(cols - lay.gen_start, 0), lay)
+                               jnp.maximum(cols - lay.gen_start, 0), lay, tokens, valid)
       in_block = (cols >= lo) & (cols < hi)
       candidates = masked & in_block[None, :] & ~s["done"][:, None]
       commit = rule.commit(conf, candidates, *self._settings(candidates, s["step"]))
@@ -206,7 +235,7 @@ class _ConfidenceBase:
       pos = jax.lax.dynamic_slice_in_dim(positions, lo, bs, axis=1)
       logits, cache = forward(s, blk, pos)
       x0, conf = self._propose(logits, rule.pass_keys(keys, s["block"], s["step"]),
-                               s["block"] * bs + jnp.arange(bs), lay)
+                               s["block"] * bs + jnp.arange(bs), lay, s["tokens"], valid)
       candidates = (blk == lay.mask_id) & ~s["done"][:, None]
       commit = rule.commit(conf, candidates, *self._settings(candidates, s["step"]))
       blk = jnp.where(commit, x0, blk)
@@ -285,8 +314,7 @@ class ThresholdSampler(_ConfidenceBase):
   min_tokens: int = 1
 
   def _rule_fields(self) -> dict:
-    return {"threshold": self.threshold, "min_tokens": self.min_tokens, "temperature": self.temperature,
-            "top_p": self.top_p}
+    return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
 
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len
@@ -298,7 +326,9 @@ class ThresholdSampler(_ConfidenceBase):
   def decoding(self, rows: int) -> rule.Decoding:
     """The rule's settings for `rows` rows (a request's, in the engine)."""
     return rule.Decoding.broadcast(rows, threshold=self.threshold, min_tokens=self.min_tokens,
-                                   temperature=self.temperature, top_p=self.top_p)
+                                   temperature=self.temperature, top_p=self.top_p,
+                                   presence_penalty=self.presence_penalty,
+                                   frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias)
 
 
 @dataclasses.dataclass(frozen=True)

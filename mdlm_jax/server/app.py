@@ -28,9 +28,9 @@ from mdlm_jax.server import apply_edit
 from mdlm_jax.server import tools as tools_lib
 from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
-from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, guidance_given, parse_guidance,
-                                      parse_logprobs, parse_messages, parse_model, parse_echo, parse_prompt, parse_prompts,
-                                      parse_sampling, parse_suffix, require_object)
+from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, check_logit_bias_ids, guidance_given,
+                                      parse_echo, parse_guidance, parse_logprobs, parse_messages, parse_model,
+                                      parse_prompt, parse_prompts, parse_sampling, parse_suffix, require_object)
 
 log = logging.getLogger("mdlm_jax.server")
 
@@ -317,7 +317,8 @@ def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suf
                      grammar: Grammar | None = None, end_ids: tuple[int, ...] = ()) -> list[EngineRequest]:
   """One engine request per choice, prompt by prompt and n for each (seeds
   base, base + 1, ...), decoded as the effort means everywhere."""
-  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
+  check_logit_bias_ids(s.logit_bias, state.engine.sc.vocab_size)
+  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, **s.moves())
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
   return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,

@@ -13,6 +13,7 @@ from typing import Any
 
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
 from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
+from mdlm_jax.sampling.rule import MAX_LOGIT_BIAS
 
 
 class APIError(Exception):
@@ -56,6 +57,14 @@ class Sampling:
   diffusing: bool
   user: str | None = None
   logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+
+  def moves(self) -> dict:
+    """The logit moves as sampler settings (`presets.sampler_for` overrides)."""
+    return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -126,7 +135,40 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
   if diffusing and not stream:
     raise _bad("diffusing", "diffusing streams drafts: it needs stream=true")
   user = _get(body, "user", str, None)
-  return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user)
+  penalties = {}
+  for name in ("presence_penalty", "frequency_penalty"):
+    penalties[name] = float(_get(body, name, (int, float), 0.0))
+    if not -2.0 <= penalties[name] <= 2.0:
+      raise _bad(name, f"must be in [-2, 2], got {penalties[name]}")
+  return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user,
+                  logit_bias=parse_logit_bias(body), **penalties)
+
+
+def check_logit_bias_ids(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+  """A 400 naming the first logit_bias id the model has no logit for."""
+  for tok, _ in pairs:
+    if tok >= vocab_size:
+      raise _bad(f"logit_bias.{tok}", f"token id {tok} is outside the model's vocabulary of {vocab_size}")
+
+
+def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+  """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as (id, bias)
+  pairs (`check_logit_bias_ids` checks the ids against a model)."""
+  name = "logit_bias"
+  v = _get(body, name, dict, {})
+  if len(v) > MAX_LOGIT_BIAS:
+    raise _bad(name, f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}")
+  out = []
+  for k, b in v.items():
+    if not k.isdigit():
+      raise _bad(f"{name}.{k}", "keys must be token ids (non-negative integers as strings)")
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+      raise _bad(f"{name}.{k}", f"the bias must be a number in [-100, 100], got {b!r}")
+    out.append((int(k), float(b)))
+  ids = [i for i, _ in out]
+  if len(set(ids)) != len(ids):
+    raise _bad(name, "a token id appears twice")
+  return tuple(sorted(out))
 
 
 def parse_messages(body: dict) -> list[dict[str, Any]]:
@@ -282,12 +324,14 @@ def require_object(body: Any) -> dict:
 # Structured outputs: OpenAI's response_format, and vLLM's guided_* fields
 # (what `extra_body` sends from the official client).
 GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+LOGIT_MOVES = ("presence_penalty", "frequency_penalty", "logit_bias")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
              "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",
-             "parallel_tool_calls", "logprobs", "top_logprobs", *GUIDANCE_FIELDS},
+             "parallel_tool_calls", "logprobs", "top_logprobs", *GUIDANCE_FIELDS, *LOGIT_MOVES},
     "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs", *GUIDANCE_FIELDS},
+                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs", *GUIDANCE_FIELDS,
+                    *LOGIT_MOVES},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
             "stream_options", "reasoning_effort", "diffusing", "user"},
     "apply": {"model", "messages", "temperature", "top_p", "seed", "reasoning_effort", "user", "stream"},
@@ -295,8 +339,8 @@ ENDPOINT_FIELDS = {
 # OpenAI fields not implemented yet: checked, and accepted only at the value
 # that asks for nothing (which is then exactly what the server does).
 NEUTRAL_ONLY = {
-    "chat": ("presence_penalty", "frequency_penalty", "logit_bias"),
-    "completions": ("presence_penalty", "frequency_penalty", "logit_bias", "best_of"),
+    "chat": (),
+    "completions": ("best_of",),
     "fim": (),
     "apply": (),
 }
@@ -317,23 +361,6 @@ def check_fields(body: dict, endpoint: str) -> None:
       raise _unsupported(name, f"not a field this server's {endpoint} endpoint implements")
     if body[name] is not None:
       _CHECKS[(endpoint, name) if (endpoint, name) in _CHECKS else name](body, name)
-
-
-def _number_zero(body: dict, name: str) -> None:
-  v = _get(body, name, (int, float))
-  if not -2.0 <= v <= 2.0:
-    raise _bad(name, f"must be in [-2, 2], got {v}")
-  if v != 0:
-    raise _unsupported(name, "penalties are not implemented (only 0)")
-
-
-def _logit_bias(body: dict, name: str) -> None:
-  v = _get(body, name, dict)
-  for k, b in v.items():
-    if not k.lstrip("-").isdigit() or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-      raise _bad(name, "must map token ids to numbers in [-100, 100]")
-  if v:
-    raise _unsupported(name, "logit_bias is not implemented (only {})")
 
 
 def _best_of(body: dict, name: str) -> None:
@@ -420,6 +447,5 @@ def _response_format(body: dict) -> Grammar:
 
 
 _CHECKS = {
-    "presence_penalty": _number_zero, "frequency_penalty": _number_zero, "logit_bias": _logit_bias,
     "best_of": _best_of,
 }

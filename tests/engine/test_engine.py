@@ -595,3 +595,24 @@ def test_prefill_chunk_is_checked(loaded):
     Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=8, block_size=8, prefill_chunk=4)
   # Off when no prompt is longer than a chunk.
   assert Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=8, block_size=8, prefill_chunk=64).prefill_chunk == 0
+
+
+def test_logit_moves_match_the_generator_row_by_row(loaded, engine):
+  """Penalties and logit_bias apply to their own rows of a shared pass: each
+  request gives the one-shot sampler's tokens alone, and a request without
+  them decodes as if nobody had asked."""
+  gen = Generator(loaded)
+  free = gen.generate([PROMPTS[0]], max_new_tokens=16, seed=0,
+                      sampler=ThresholdSampler(block_size=8, kv_cache=True, threshold=0.9, min_tokens=2))
+  common = max(set(free.completions[0].tokens), key=free.completions[0].tokens.count)
+  moves = [dict(frequency_penalty=2.0, presence_penalty=0.5), dict(logit_bias=((common, -100.0),)), {}]
+  handles = [engine.submit(_request(loaded, PROMPTS[0], max_tokens=16, threshold=0.9, min_tokens=2, **kw))
+             for kw in moves]
+  got = [h.result(timeout=120).text for h in handles]
+  for text, kw in zip(got, moves):
+    want = gen.generate([PROMPTS[0]], max_new_tokens=16, seed=0,
+                        sampler=ThresholdSampler(block_size=8, kv_cache=True, threshold=0.9, min_tokens=2, **kw))
+    assert text == want.completions[0].text
+  assert got[2] == free.completions[0].text and got[0] != got[2]
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    engine.submit(_request(loaded, "x", max_tokens=8, logit_bias=((loaded.spec.cfg.vocab_size, 1.0),)))

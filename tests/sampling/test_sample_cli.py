@@ -45,7 +45,7 @@ def test_show_steps_and_infill(checkpoints):
 
 def test_ar_checkpoint(checkpoints):
   r = run(f"--checkpoint={checkpoints['ar']}", "--prompt=import ", "--max-new-tokens=5", "--temperature=1",
-          "--top-p=0.9", "--json")
+          "--top-p=0.9", "--frequency-penalty=1", "--logit-bias=5=-100", "--json")
   assert r.returncode == 0, r.stderr
   assert json.loads(r.stdout)["forward_passes"] <= 5
 
@@ -58,6 +58,10 @@ def test_ar_checkpoint(checkpoints):
     (["--min-tokens=0"], "--min-tokens must be >= 1"),
     (["--infill-lengths=4,8"], "--infill-lengths needs --suffix"),
     (["--suffix=x", "--infill-lengths=a,b"], "comma-separated integers"),
+    (["--presence-penalty=3"], "--presence-penalty must be in [-2, 2]"),
+    (["--logit-bias=5"], "--logit-bias takes ID=BIAS"),
+    (["--logit-bias=99999=1"], "token id 99999 is outside the vocabulary"),
+    (["--sampler=ancestral", "--frequency-penalty=1"], "--frequency-penalty does not apply to the AncestralSampler"),
 ])
 def test_bad_flags(checkpoints, args, message):
   r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x", *args)

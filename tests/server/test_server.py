@@ -204,9 +204,11 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "
            "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "response_format": {"type": "text"},
            "user": "alice"}
 REFUSED = [  # (field, value, code): well formed but not implemented, or malformed
-    ("presence_penalty", 0.5, "unsupported_parameter"), ("frequency_penalty", 3, "invalid_value"),
-    ("logprobs", "yes", "invalid_value"), ("top_logprobs", 99, "invalid_value"), ("logit_bias", {"5": 10}, "unsupported_parameter"),
-    ("logit_bias", [1], "invalid_value"), ("tools", "f", "invalid_value"),
+    ("presence_penalty", 2.5, "invalid_value"), ("frequency_penalty", 3, "invalid_value"),
+    ("presence_penalty", "high", "invalid_value"),
+    ("logprobs", "yes", "invalid_value"), ("top_logprobs", 99, "invalid_value"), ("logit_bias", [1], "invalid_value"),
+    ("logit_bias.5", {"5": 101}, "invalid_value"), ("logit_bias.-5", {"-5": 1}, "invalid_value"),
+    ("logit_bias.1000000", {"1000000": 1}, "invalid_value"), ("tools", "f", "invalid_value"),
     ("tool_choice", "sometimes", "invalid_value"),
     ("response_format", {"type": "xml"}, "invalid_value"), ("user", 7, "invalid_value"),
     ("functions", [], "unsupported_parameter"), ("frobnicate", 1, "unsupported_parameter"),
@@ -220,7 +222,7 @@ def test_every_field_is_implemented_or_refused_by_name(server):
                  timeout=60)
   assert r.status_code == 200, r.text
   for field, value, code in REFUSED:
-    err = _error(base, "POST", "/v1/chat/completions", 400, json={**ok, field: value})
+    err = _error(base, "POST", "/v1/chat/completions", 400, json={**ok, field.split(".")[0]: value})
     param = "response_format.type" if value == {"type": "xml"} else field
     assert (err["param"], err["code"]) == (param, code), (field, value, err)
   err = _error(base, "POST", "/v1/chat/completions", 400,
@@ -237,6 +239,22 @@ def test_every_field_is_implemented_or_refused_by_name(server):
     r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={**done, field: value}, timeout=60)
     assert r.status_code == 200, (field, r.text)
+
+
+def test_logit_bias_and_penalties_reach_the_decoder(server, tiny_checkpoints):
+  """A +100 bias makes every token the biased one; penalties are taken."""
+  from mdlm_jax import checkpoints
+  tok = checkpoints.load(tiny_checkpoints["mdlm"]).tokenizer
+  piece = tok.encode("x")[-1]
+  body = {"model": "tiny", "prompt": "def f(x):\n", "max_tokens": 8, "logit_bias": {str(piece): 100}}
+  r = httpx.post(server[1] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+  assert r.status_code == 200, r.text
+  assert r.json()["choices"][0]["text"] == tok.decode([piece] * 8)
+  body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+          "presence_penalty": 1.5, "frequency_penalty": -0.5}
+  r = httpx.post(server[1] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                 timeout=60)
+  assert r.status_code == 200, r.text
 
 
 def _finished(base: str, reason: str) -> int:
@@ -407,7 +425,8 @@ def test_turns_survive_the_broadcast_encoding():
   from mdlm_jax.sampling.samplers import ThresholdSampler
   sc = SlotConfig(num_slots=4, block_size=8, max_prompt=16, max_new_tokens=32, mask_id=3, eos_id=2, vocab_size=100)
   rng = np.random.default_rng(0)
-  sampler = ThresholdSampler(threshold=0.7, min_tokens=2, temperature=0.5, top_p=0.9, block_size=8, kv_cache=True)
+  sampler = ThresholdSampler(threshold=0.7, min_tokens=2, temperature=0.5, top_p=0.9, block_size=8, kv_cache=True,
+                             presence_penalty=0.25, frequency_penalty=-1.5, logit_bias=((7, -100.0), (99, 3.5)))
   admits = [(row, Request(rng.integers(0, 100, size=n).tolist(), 24, sampler, seed=10 ** 12, stop=("x",),
                           suffix_ids=rng.integers(0, 100, size=s).tolist()),
              rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32), start, stop)
@@ -429,6 +448,8 @@ def test_turns_survive_the_broadcast_encoding():
     a, b = r.sampler, r2.sampler
     assert b.min_tokens == a.min_tokens and np.float32(b.threshold) == np.float32(a.threshold)
     assert np.float32(b.temperature) == np.float32(a.temperature) and np.float32(b.top_p) == np.float32(a.top_p)
+    assert (b.presence_penalty, b.frequency_penalty, b.logit_bias) == (a.presence_penalty, a.frequency_penalty,
+                                                                       a.logit_bias)
     np.testing.assert_array_equal(key2, key)
   assert _decode(_encode(Turn(stop=True), sc), sc).stop
 
