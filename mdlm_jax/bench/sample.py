@@ -41,6 +41,10 @@ def parse(argv):
   p.add_argument("--efforts", default="instant,low,medium,high")
   p.add_argument("--skip-100m", action="store_true", help="skip the 100M-parameter memory-bound shape")
   p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement; the fastest counts")
+  p.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="OpenAI's presence penalty for every setting, the AR twin's included")
+  p.add_argument("--frequency-penalty", type=float, default=0.0,
+                 help="OpenAI's frequency penalty for every setting, the AR twin's included")
   add_output_flags(p, "bench_sample.png", "speed-quality plot")
   a = p.parse_args(argv)
   from mdlm_jax.sampling.presets import EFFORTS
@@ -48,6 +52,9 @@ def parse(argv):
   a.efforts = a.efforts.split(",")
   if a.num_prompts < 1 or a.new_tokens < 1 or a.prompt_tokens < 1 or a.repeats < 1:
     p.error("--num-prompts, --new-tokens, --prompt-tokens and --repeats must be positive")
+  for flag, value in (("--presence-penalty", a.presence_penalty), ("--frequency-penalty", a.frequency_penalty)):
+    if not -2.0 <= value <= 2.0:
+      p.error(f"{flag} must be in [-2, 2], got {value}")
   unknown = [e for e in a.efforts if e not in EFFORTS]
   if unknown:
     p.error(f"unknown --efforts {unknown}; choose from {', '.join(EFFORTS)}")
@@ -302,6 +309,7 @@ def main(argv):
   from mdlm_jax import cli
   from mdlm_jax import checkpoints
   from mdlm_jax.checkpoints import packaged
+  from mdlm_jax.sampling.ar import ARSampler
   from mdlm_jax.sampling.generate import ARGenerator, Generator
   from mdlm_jax.sampling import presets
   try:
@@ -319,17 +327,21 @@ def main(argv):
   block = mdlm.config.diffusion.get("block_size", 0)
   result = {"bench": "sample", "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "num_prompts": len(prompts), "repeats": a.repeats, "mdlm_step": mdlm.step, "ar_step": ar.step,
+            "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,
             "reference": reference_quality(examples, mdlm.tokenizer, scorer), "batches": {}}
   print(f"held-out continuations: {json.dumps(result['reference'])}", file=sys.stderr, flush=True)
   for batch in a.batch_sizes:
     rows = {}
     for effort in a.efforts:
-      sampler = presets.for_model(effort, block)  # what the effort means everywhere
+      sampler = presets.for_model(effort, block, presence_penalty=a.presence_penalty,  # what the effort means
+                                  frequency_penalty=a.frequency_penalty)  # everywhere
       timed = run_setting(dgen, prompts, batch, a.new_tokens, sampler, scorer, repeats=a.repeats)
       rows[effort] = {"sampler": repr(sampler), **timed}
       print(f"batch {batch} {effort}: {json.dumps(rows[effort])}", file=sys.stderr, flush=True)
+    ar_sampler = ARSampler(a.new_tokens, temperature=0.0, presence_penalty=a.presence_penalty,
+                           frequency_penalty=a.frequency_penalty)
     for layout, agen in agens.items():
-      rows[f"ar_{layout}"] = run_setting(agen, prompts, batch, a.new_tokens, None, scorer, repeats=a.repeats)
+      rows[f"ar_{layout}"] = run_setting(agen, prompts, batch, a.new_tokens, ar_sampler, scorer, repeats=a.repeats)
     rows["ar"] = fastest_layout(rows)
     print(f"batch {batch} ar: {json.dumps(rows['ar'])}", file=sys.stderr, flush=True)
     result["batches"][str(batch)] = rows
