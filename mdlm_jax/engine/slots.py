@@ -132,21 +132,34 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
   c = slots.cache
   k, p = fixed.shape
   last = jnp.ones((k,), bool) if last is None else last
-  # A resumed row starts from its cache row; a new one from nothing.
-  if resume:
-    row_of = lambda x, axis=0: jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)  # noqa: E731
-  else:
-    row_of = lambda x, axis=0: jnp.zeros(x.shape[:axis] + (k,) + x.shape[axis + 1:], x.dtype)  # noqa: E731
-  base = KVCache(k=row_of(c.k, 1), v=row_of(c.v, 1), valid=row_of(c.valid), length=row_of(c.length),
-                 last_hidden=row_of(c.last_hidden))
-  valid_new = jnp.arange(p)[None] < n_fixed[:, None]
-  t = jnp.zeros((k,), jnp.float32) if spec.cfg.time_conditioning else None
-  _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
   put = lambda x, v, axis=0: (x.at[:, rows] if axis else x.at[rows]).set(  # noqa: E731
       jnp.broadcast_to(jnp.asarray(v, x.dtype), (x.shape[0], k, *x.shape[2:]) if axis else (k, *x.shape[1:])),
       mode="drop")
-  cache = c.replace(k=put(c.k, new.k, 1), v=put(c.v, new.v, 1), valid=put(c.valid, new.valid),
-                    length=put(c.length, new.length), last_hidden=put(c.last_hidden, new.last_hidden))
+  valid_new = jnp.arange(p)[None] < n_fixed[:, None]
+  t = jnp.zeros((k,), jnp.float32) if spec.cfg.time_conditioning else None
+  if resume:
+    # A resumed row reads its earlier chunks: it starts from its whole cache row.
+    row_of = lambda x, axis=0: jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)  # noqa: E731
+    base = KVCache(k=row_of(c.k, 1), v=row_of(c.v, 1), valid=row_of(c.valid), length=row_of(c.length),
+                   last_hidden=row_of(c.last_hidden))
+    _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
+    cache = c.replace(k=put(c.k, new.k, 1), v=put(c.v, new.v, 1), valid=put(c.valid, new.valid),
+                      length=put(c.length, new.length), last_hidden=put(c.last_hidden, new.last_hidden))
+  else:
+    # A new row reads nothing before its prompt: it is encoded into a cache of
+    # the prompt's p slots, and only those slots of the row are written. The
+    # rest keeps the last request's keys, past the fill point and not valid,
+    # so admitting costs the prompt, not the context (a 128K-slot row is GBs).
+    n, _, g, d, _ = c.k.shape
+    base = KVCache(k=jnp.zeros((n, k, g, d, p), c.k.dtype), v=jnp.zeros((n, k, g, p, d), c.v.dtype),
+                   valid=jnp.zeros((k, p), bool), length=jnp.zeros((k,), jnp.int32),
+                   last_hidden=jnp.zeros((k, c.last_hidden.shape[1]), c.last_hidden.dtype))
+    _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
+    valid_row = jnp.zeros((k, c.max_len), bool).at[:, :p].set(new.valid)
+    cache = c.replace(k=c.k.at[:, rows, :, :, :p].set(new.k.astype(c.k.dtype), mode="drop"),
+                      v=c.v.at[:, rows, :, :p, :].set(new.v.astype(c.v.dtype), mode="drop"),
+                      valid=put(c.valid, valid_row), length=put(c.length, new.length),
+                      last_hidden=put(c.last_hidden, new.last_hidden))
   passes = jnp.take(slots.passes, rows, mode="fill", fill_value=0) + 1 if resume else 1
   return slots.replace(
       cache=cache, gen=put(slots.gen, sc.mask_id), prompt_len=put(slots.prompt_len, gen_position),

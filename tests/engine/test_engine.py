@@ -616,3 +616,18 @@ def test_logit_moves_match_the_generator_row_by_row(loaded, engine):
   assert got[2] == free.completions[0].text and got[0] != got[2]
   with pytest.raises(ValueError, match="outside the vocabulary"):
     engine.submit(_request(loaded, "x", max_tokens=8, logit_bias=((loaded.spec.cfg.vocab_size, 1.0),)))
+
+
+def test_a_reused_slot_hides_the_last_requests_keys(loaded):
+  """Admission writes only the prompt's slots of a cache row: what a longer
+  earlier request left past them must stay unread, and its own slots hold its keys."""
+  gen = Generator(loaded)
+  e = Engine(loaded, num_slots=1, max_prompt=64, max_new_tokens=16, block_size=8).start()
+  try:
+    for prompt in (PROMPTS[1] * 2, "x = ", PROMPTS[1], "def f(x):\n"):
+      done = e.submit(_request(loaded, prompt, max_tokens=16, threshold=0.9, min_tokens=2)).result(timeout=120)
+      want = gen.generate([prompt], max_new_tokens=16, seed=0,
+                          sampler=ThresholdSampler(block_size=8, kv_cache=True, threshold=0.9, min_tokens=2))
+      assert done.text == want.completions[0].text, prompt
+  finally:
+    e.close(deadline_s=1)
