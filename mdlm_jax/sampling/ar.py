@@ -68,13 +68,12 @@ class ARSampler:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-    object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+    object.__setattr__(self, "logit_bias", rule.bias_pairs(self.logit_bias))
     self._check_moves()
 
   def _check_moves(self, vocab_size: int | None = None) -> None:
-    rule.check(threshold=0.5, min_tokens=1, temperature=0.0, top_p=1.0, presence_penalty=self.presence_penalty,
-               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, vocab_size=vocab_size)
+    rule.check_moves(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     logit_bias=self.logit_bias, vocab_size=vocab_size)
 
   @property
   def moves_logits(self) -> bool:

@@ -200,10 +200,33 @@ def allow(logits: Float[Array, "... v"], bitmask) -> Float[Array, "... v"]:
   return jnp.where(ok, logits, NEG_INF)
 
 
+def bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:
+  """A logit_bias given as {id: bias} or as pairs, as hashable (id, bias)
+  pairs: samplers holding it are static arguments."""
+  items = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
+  return tuple((t, float(b)) for t, b in items)
+
+
 def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float, presence_penalty: float = 0.0,
           frequency_penalty: float = 0.0, logit_bias: tuple[tuple[int, float], ...] = (),
           vocab_size: int | None = None) -> None:
   """The one validator of the rule's settings (ValueError naming the field)."""
+  check_moves(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+              vocab_size=vocab_size)
+  if not 0.0 <= threshold <= 1.0 and threshold != NEVER:
+    raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+  if min_tokens < 1:
+    raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+  if not 0.0 <= temperature <= 100.0:
+    raise ValueError(f"temperature must be in [0, 100], got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                logit_bias: tuple[tuple[int, float], ...] = (), vocab_size: int | None = None) -> None:
+  """The logit moves' part of `check` (the AR sampler's too); with
+  `vocab_size`, logit_bias's ids are checked against the model's vocabulary."""
   for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
     if not -2.0 <= value <= 2.0:
       raise ValueError(f"{name} must be in [-2, 2], got {value}")
@@ -220,15 +243,7 @@ def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float
     seen.add(tok)
     if not -100.0 <= value <= 100.0:
       raise ValueError(f"logit_bias: the bias of token {tok} must be in [-100, 100], got {value}")
-  if not 0.0 <= threshold <= 1.0 and threshold != NEVER:
-    raise ValueError(f"threshold must be in [0, 1], got {threshold}")
-  if min_tokens < 1:
-    raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
-  if not 0.0 <= temperature <= 100.0:
-    raise ValueError(f"temperature must be in [0, 100], got {temperature}")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-__all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "check", "commit", "noise_words",
-           "pass_keys", "penalize", "propose", "rank_desc", "row_keys", "token_counts"]
+__all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
+           "commit", "noise_words", "pass_keys", "penalize", "propose", "rank_desc", "row_keys", "token_counts"]

@@ -98,9 +98,7 @@ class _ConfidenceBase:
   def __post_init__(self):
     if self.block_size < 0:
       raise ValueError(f"block_size must be >= 0, got {self.block_size}")
-    # Hashable whatever the caller passed ({id: bias} or pairs): the sampler is a static argument.
-    bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-    object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+    object.__setattr__(self, "logit_bias", rule.bias_pairs(self.logit_bias))
     rule.check(**self._rule_fields())
 
   def check_vocabulary(self, vocab_size: int) -> None:
