@@ -6,9 +6,10 @@ import os
 import sys
 
 from mdlm_jax.checkpoints.checkpointer import CheckpointError
+from mdlm_jax.checkpoints.registry import FetchError
 from mdlm_jax.config import ConfigError
 
-USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, CheckpointError, FetchError, FileNotFoundError, ValueError)
 
 
 def fail(prog: str, err: BaseException, code: int = 2):

@@ -48,6 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.time_conditioning = False  # adaLN conditioning on t, as in MDLM's DiT.
   m.cond_dim = 128
   m.tie_embeddings = True
+  # A tied head scales logits by embed_dim ** -0.5 (LLaDA); False: Llama's plain tied head.
+  m.scale_tied_logits = True
+  m.qk_norm = False  # RMSNorm on each query/key head before RoPE (Qwen3).
   m.rope_theta = 10000.0
   # Stretching RoPE past the trained context (model/rope.py): type "linear",
   # "dynamic", "yarn" or "llama3" with `factor` and `max_position`, the

@@ -3,11 +3,12 @@
 Writes a checkpoint's inference weights (the EMA when the run kept one) as
 params-only safetensors: our own layout (native: config.json, tokenizer.model or .json,
 model.safetensors) or the Hugging Face layout of LLaDA or Dream (mdlm_jax/
-interop.py has the name table). With --import it goes the other way: a
-LLaDA/Dream-layout folder becomes a native one. Every command that takes
---checkpoint reads all three layouts.
+checkpoints/families.py has the name tables). With --import it goes the other
+way: a Hugging Face folder (LLaDA, Dream, Llama, Qwen2, Qwen3) or a GGUF file
+becomes a native folder, which later loads without dequantizing or renaming.
+Every command that takes --checkpoint reads all of these.
 
-  python -m mdlm_jax.export --import --checkpoint=HF_DIR --out=DIR [--tokenizer=tok.model]
+  python -m mdlm_jax.export --import --checkpoint=HF_DIR|FILE.gguf --out=DIR [--tokenizer=tok.model]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from mdlm_jax import cli
 
 FORMATS = ("native", "params", "llada", "dream")  # params: the old name of native
+IMPORT_FORMATS = ("llada", "dream", "llama", "qwen2", "qwen3", "gguf")  # what --format may name with --import
 
 
 def parse(argv):
@@ -28,21 +30,25 @@ def parse(argv):
                  help="training workdir, checkpoints/ folder, step folder or exported folder;"
                       " with --import, a LLaDA/Dream-layout folder")
   p.add_argument("--out", required=True, help="folder to write (must not exist unless --overwrite)")
-  p.add_argument("--format", default="native", choices=FORMATS,
+  p.add_argument("--format", default="native", choices=sorted(set(FORMATS + IMPORT_FORMATS), key=(FORMATS +
+                                                                                                 IMPORT_FORMATS).index),
                  help="native (alias params): this package's params-only folder; llada, dream: the Hugging"
                       " Face layout of LLaDA or Dream (Qwen2 names); with --import, the layout of --checkpoint"
-                      " (read from its config.json when left out)")
+                      " (llada, dream, llama, qwen2, qwen3 or gguf; read from the checkpoint when left out)")
   p.add_argument("--import", dest="import_", action="store_true",
-                 help="convert a LLaDA/Dream-layout --checkpoint into a native params-only --out")
+                 help="convert a Hugging Face folder or GGUF file --checkpoint into a native params-only --out")
   p.add_argument("--tokenizer", default="",
                  help="with --import: the tokenizer to use, a sentencepiece .model or a Hugging Face .json"
                       " (default: --checkpoint/tokenizer.model, else --checkpoint/tokenizer.json)")
-  p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="stored weight dtype")
+  p.add_argument("--dtype", default=None, choices=DTYPES,
+                 help="stored weight dtype (default: bfloat16; float32 with --import, which keeps the weights exact)")
   p.add_argument("--max-shard-size", default="5GB",
                  help="split the weights into model-0000i-of-0000n.safetensors shards past this size")
   p.add_argument("--no-ema", action="store_true", help="export the raw params, not the EMA")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-  return p.parse_args(argv)
+  a = p.parse_args(argv)
+  a.dtype = a.dtype or ("float32" if a.import_ else "bfloat16")
+  return a
 
 
 def _import(a, max_shard: int) -> tuple[str, int]:
@@ -50,21 +56,31 @@ def _import(a, max_shard: int) -> tuple[str, int]:
   from mdlm_jax import checkpoints
   from mdlm_jax.model.spec import model_spec
   from mdlm_jax.model import ModelConfig
-  fmt = interop.hf_format(a.checkpoint)
-  if fmt is None:
-    if not os.path.isdir(a.checkpoint):
-      raise FileNotFoundError(f"--checkpoint {a.checkpoint} does not exist")
-    raise ValueError(f"--checkpoint {a.checkpoint}: config.json does not name a llada or Dream model_type")
+  from mdlm_jax.checkpoints import gguf_file
+  from mdlm_jax.checkpoints import chat_template
+  if not os.path.exists(a.checkpoint):
+    raise FileNotFoundError(f"--checkpoint {a.checkpoint} does not exist")
+  if gguf_file.is_gguf(a.checkpoint):
+    fmt = "gguf"
+    if a.tokenizer:
+      raise ValueError("--tokenizer: a GGUF file carries its own tokenizer")
+  else:
+    fmt = interop.hf_format(a.checkpoint)
+    if fmt is None:
+      interop.read(a.checkpoint)  # raises, naming what the folder lacks
   if a.format not in ("native", "params") and a.format != fmt:
     raise ValueError(f"--format={a.format} but {a.checkpoint} holds a {fmt} checkpoint")
-  config, tok, named, step = interop.read(a.checkpoint, a.tokenizer or None)
+  if fmt == "gguf":
+    config, tok, named, step, template = gguf_file.read(a.checkpoint)
+  else:
+    config, tok, named, step = interop.read(a.checkpoint, a.tokenizer or None)
+    template = chat_template.from_folder(a.checkpoint)
   spec = model_spec(ModelConfig.from_config(config.model, vocab_size=tok.vocab_size), None)
   params = params_only.unflatten_like(spec.abstract, named, a.checkpoint)
-  from mdlm_jax.checkpoints import chat_template
   out = params_only.save(a.out, params, config, tok, step=step, dtype=a.dtype, overwrite=a.overwrite,
                          max_shard_bytes=max_shard, extra={"weights": f"imported from {fmt}",
                                                            "objective": config.objective},
-                         chat_template=chat_template.from_folder(a.checkpoint))
+                         chat_template=template)
   return out, step
 
 
@@ -77,6 +93,8 @@ def _export(a, max_shard: int) -> tuple[str, int]:
     raise ValueError(f"{a.checkpoint} is already a params-only folder")
   if a.tokenizer:
     raise ValueError("--tokenizer is for --import only")
+  if not native and a.format not in interop.FORMATS:
+    raise ValueError(f"--format={a.format} is read with --import; export writes {', '.join(FORMATS)}")
   loaded = checkpoints.load(a.checkpoint, use_ema=not a.no_ema)
   if not native:
     out = interop.save(a.out, a.format, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,

@@ -20,7 +20,10 @@ def parse(argv):
   from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.sample", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir or checkpoint folder (default: the packaged model)")
-  p.add_argument("--prompt", required=True, help="text to continue")
+  p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
+  p.add_argument("--chat", action="store_true",
+                 help="send --prompt as a user message through the checkpoint's chat template and print the answer")
+  p.add_argument("--system", default=None, help="with --chat: a system message before the user's")
   p.add_argument("--suffix", default=None, help="text after the generated middle (fill-in-the-middle)")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--infill-lengths", default=None,
@@ -64,6 +67,10 @@ def parse(argv):
       p.error(f"--infill-lengths must be comma-separated integers, got {a.infill_lengths!r}")
     if min(a.infill_lengths) < 1:
       p.error("--infill-lengths must be positive")
+  if a.system is not None and not a.chat:
+    p.error("--system needs --chat")
+  if a.chat and (a.suffix is not None or a.no_bos):
+    p.error("--chat renders the whole prompt: --suffix and --no-bos do not apply")
   if len(a.stop) > 4:
     p.error("at most 4 --stop strings")
   bias = []
@@ -125,9 +132,16 @@ def main(argv=None):
                                     frequency_penalty=a.frequency_penalty, logit_bias=a.logit_bias or None)
       except ValueError as e:  # the sampler names its field; the user typed the flag
         raise ValueError(re.sub(r"^(\w+) must", lambda m: f"--{m.group(1).replace('_', '-')} must", str(e))) from e
-    prompts = [a.prompt] * a.num_samples
+    text, add_bos, stops = a.prompt, not a.no_bos, list(a.stop)
+    if a.chat:
+      from mdlm_jax.server import chat_template
+      messages = ([{"role": "system", "content": a.system}] if a.system is not None else []) + [
+          {"role": "user", "content": a.prompt}]
+      text, turn_ends, add_bos = chat_template.render(messages, loaded.chat_template, loaded.tokenizer)
+      stops += [s for s in turn_ends if s not in stops]
+    prompts = [text] * a.num_samples
     suffixes = [a.suffix] * a.num_samples if a.suffix is not None else None
-    view = DraftView(a.prompt) if a.show_steps else None
+    view = DraftView(text) if a.show_steps else None
     if a.infill_lengths:
       best, scores = gen.infill(a.prompt, a.suffix, sampler=sampler, lengths=a.infill_lengths, seed=a.seed)
       print(f"[infill NELBO nats/token by middle length: "
@@ -135,7 +149,7 @@ def main(argv=None):
       a.max_new_tokens = min(scores, key=scores.get)
       suffixes = [a.suffix] * a.num_samples
     result = gen.generate(prompts, max_new_tokens=a.max_new_tokens, sampler=sampler, seed=a.seed,
-                          suffixes=suffixes, stop=a.stop, add_bos=not a.no_bos, on_draft=view)
+                          suffixes=suffixes, stop=stops, add_bos=add_bos, on_draft=view)
   except cli.USER_ERRORS as e:
     cli.fail("sample", e)
   new_tokens = sum(len(c.tokens) for c in result.completions)
@@ -150,7 +164,7 @@ def main(argv=None):
   for i, c in enumerate(result.completions):
     if len(result.completions) > 1:
       print(f"=== sample {i} ({c.finish_reason}) ===")
-    print(a.prompt + c.text + (a.suffix or ""))
+    print(c.text if a.chat else a.prompt + c.text + (a.suffix or ""))
   print(f"[{new_tokens} tokens in {result.forward_passes} forward passes, {stats['seconds']:.2f}s"
         f" incl. compile; {repr(sampler)}]", file=sys.stderr)
 

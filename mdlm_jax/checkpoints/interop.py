@@ -1,19 +1,24 @@
-"""Checkpoints in the Hugging Face layouts of LLaDA and Dream, written and read.
+"""Hugging Face folders read (LLaDA, Dream, Llama, Qwen2, Qwen3) and written (LLaDA, Dream).
 
-LLaDA (GSAI-ML/LLaDA-8B-*, model_type "llada") and Dream (Dream-org/Dream-v0-*,
-model_type "Dream", Qwen2 tensor names) are the same network as ours: pre-RMSNorm
-blocks (weight times x / rms(x), eps inside the root), SwiGLU, RoPE in the
-rotate-half layout, bidirectional attention with optional GQA and q/k/v biases.
-So a conversion renames tensors and transposes torch's [out, in] Linear weights;
-no q/k column permutation is needed. `TABLE` is the one place that says how.
+Every family is the same network as ours: pre-RMSNorm blocks (weight times
+x / rms(x), eps inside the root), SwiGLU, RoPE in the rotate-half layout,
+optional GQA, q/k/v biases (Qwen2, Dream) and per-head q/k norms (Qwen3). So a
+conversion renames tensors and transposes torch's [out, in] Linear weights; no
+q/k column permutation is needed. `families` is the one place that says how,
+one `Family` each; Llama, Qwen2 and Qwen3 are autoregressive (read as
+objective "ar", causal), LLaDA and Dream diffusion models.
 
 What does not map, and what happens:
-  tied embeddings: our tied head scales logits by embed_dim ** -0.5, which is
-    LLaDA's weight_tying + scale_logits; Dream has no such scale, so a tied model
-    is written with an explicit lm_head (embedding.T / sqrt(d)) and reads back untied.
+  tied embeddings: LLaDA's weight_tying + scale_logits is our tied head with its
+    embed_dim ** -0.5 scale; Llama/Qwen's tied head has none (scale_tied_logits
+    False). Dream has neither, so a tied model is written with an explicit
+    lm_head and reads back untied.
   no q/k/v biases in Dream: Qwen2 always has them; zeros are written, and dropped
     again on import when the embedded native config says the model had none.
-  adaLN time conditioning, GELU MLPs, causal (AR) models: refused with an error.
+  no [MASK] in an AR vocabulary: a special token it has no other use for
+    becomes the mask (`hf_tokenizer.spare_special_id`).
+  adaLN time conditioning, GELU MLPs, causal (AR) models, q/k norms: not
+    exported, with an error naming the field.
 config.json carries the special token ids (mask_token_id among them) and, under
 "mdlm_jax", our whole training config, so a round trip keeps the diffusion
 settings (schedule, block size) that the Hugging Face keys cannot hold.
@@ -34,55 +39,15 @@ import numpy as np
 from jaxtyping import Float
 
 from mdlm_jax import config as config_lib
-from mdlm_jax.checkpoints import params_only, safetensors
+from mdlm_jax.checkpoints import chat_template, families, params_only, safetensors
 from mdlm_jax.model import ModelConfig
 from mdlm_jax.model.rope import RopeScaling
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.data.tokenizer import Tokenizer
 
-FORMATS = ("llada", "dream")
-MODEL_TYPES = {"llada": "llada", "dream": "Dream"}
-
-# native parameter path -> (LLaDA name, Dream name, transform). {i} is the block index.
-# Transforms between our kernels ([in, ..., out]) and torch Linear weights ([out, in]):
-#   same      identical array (norm scales, the embedding)
-#   linear    [in, out] <-> [out, in]
-#   heads_in  [d, heads, head_dim] <-> [heads * head_dim, d]    (q/k/v projections)
-#   heads_out [heads, head_dim, d] <-> [d, heads * head_dim]    (attention output)
-#   heads_b   [heads, head_dim] <-> [heads * head_dim]          (q/k/v biases)
-TABLE: dict[str, tuple[str, str, str]] = {
-    "embedding": ("model.transformer.wte.weight", "model.embed_tokens.weight", "same"),
-    "final_norm.scale": ("model.transformer.ln_f.weight", "model.norm.weight", "same"),
-    "head": ("model.transformer.ff_out.weight", "lm_head.weight", "linear"),
-    "blocks.{i}.attn_norm.scale": ("model.transformer.blocks.{i}.attn_norm.weight",
-                                   "model.layers.{i}.input_layernorm.weight", "same"),
-    "blocks.{i}.attn.wq": ("model.transformer.blocks.{i}.q_proj.weight",
-                           "model.layers.{i}.self_attn.q_proj.weight", "heads_in"),
-    "blocks.{i}.attn.wk": ("model.transformer.blocks.{i}.k_proj.weight",
-                           "model.layers.{i}.self_attn.k_proj.weight", "heads_in"),
-    "blocks.{i}.attn.wv": ("model.transformer.blocks.{i}.v_proj.weight",
-                           "model.layers.{i}.self_attn.v_proj.weight", "heads_in"),
-    "blocks.{i}.attn.bq": ("model.transformer.blocks.{i}.q_proj.bias",
-                           "model.layers.{i}.self_attn.q_proj.bias", "heads_b"),
-    "blocks.{i}.attn.bk": ("model.transformer.blocks.{i}.k_proj.bias",
-                           "model.layers.{i}.self_attn.k_proj.bias", "heads_b"),
-    "blocks.{i}.attn.bv": ("model.transformer.blocks.{i}.v_proj.bias",
-                           "model.layers.{i}.self_attn.v_proj.bias", "heads_b"),
-    "blocks.{i}.attn.wo": ("model.transformer.blocks.{i}.attn_out.weight",
-                           "model.layers.{i}.self_attn.o_proj.weight", "heads_out"),
-    "blocks.{i}.mlp_norm.scale": ("model.transformer.blocks.{i}.ff_norm.weight",
-                                  "model.layers.{i}.post_attention_layernorm.weight", "same"),
-    "blocks.{i}.mlp.w_gate": ("model.transformer.blocks.{i}.ff_proj.weight",
-                              "model.layers.{i}.mlp.gate_proj.weight", "linear"),
-    "blocks.{i}.mlp.w_up": ("model.transformer.blocks.{i}.up_proj.weight",
-                            "model.layers.{i}.mlp.up_proj.weight", "linear"),
-    "blocks.{i}.mlp.w_down": ("model.transformer.blocks.{i}.ff_out.weight",
-                              "model.layers.{i}.mlp.down_proj.weight", "linear"),
-}
-
-
-class InteropError(ValueError):
-  """A model or folder that cannot be converted; the message names what is wrong."""
+FORMATS = families.EXPORT_FORMATS
+MODEL_TYPES = {"llada": "llada", "dream": "Dream"}  # as the published configs spell them
+InteropError = families.InteropError
 
 
 def _to_hf(kind: str, a: np.ndarray) -> np.ndarray:
@@ -116,15 +81,8 @@ def _from_hf(kind: str, a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def hf_name(fmt: str, native: str) -> tuple[str, str]:
-  """(Hugging Face tensor name, transform) of a native parameter path in layout `fmt`."""
-  parts = native.split(".")
-  key, i = native, None
-  if parts[0] == "blocks" and len(parts) > 1:
-    key, i = ".".join(["blocks", "{i}", *parts[2:]]), parts[1]
-  if key not in TABLE:
-    raise InteropError(f"parameter {native} has no {fmt} name")
-  llada, dream, kind = TABLE[key]
-  return (llada if fmt == "llada" else dream).replace("{i}", str(i)), kind
+  """(Hugging Face tensor name, transform) of a native parameter path in family `fmt`."""
+  return families.tensor_name(families.FAMILIES[fmt], native)
 
 
 def _native_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -137,6 +95,11 @@ def _check_exportable(fmt: str, cfg: ModelConfig):
     raise InteropError(f"unknown format {fmt!r}; choose from {FORMATS}")
   if cfg.time_conditioning:
     raise InteropError(f"model.time_conditioning: adaLN time conditioning has no {fmt} equivalent")
+  if cfg.qk_norm:
+    raise InteropError(f"model.qk_norm: {fmt} has no per-head q/k norms")
+  if fmt == "llada" and cfg.tie_embeddings and not cfg.scale_tied_logits:
+    raise InteropError("model.scale_tied_logits=False: LLaDA's tied head always scales its logits;"
+                       " export --format=dream")
   if cfg.mlp != "swiglu":
     raise InteropError(f"model.mlp={cfg.mlp!r}: {fmt} needs a SwiGLU MLP")
   if cfg.causal:
@@ -209,7 +172,8 @@ def to_hf(fmt: str, params: Any, cfg: ModelConfig) -> dict[str, Float[np.ndarray
     out[name] = _to_hf(kind, a)
   if fmt == "dream":
     if cfg.tie_embeddings:  # Qwen2 has no logit scale: fold ours into an explicit head
-      out["lm_head.weight"] = named["embedding"] * np.float32(cfg.embed_dim ** -0.5)
+      scale = cfg.embed_dim ** -0.5 if cfg.scale_tied_logits else 1.0
+      out["lm_head.weight"] = named["embedding"] * np.float32(scale)
     if not cfg.qkv_bias:  # Qwen2 always has q/k/v biases
       g, k = cfg.resolved_kv_heads, cfg.resolved_head_dim
       for i in range(cfg.num_layers):
@@ -264,73 +228,32 @@ def save(out: str, fmt: str, params: Any, config: ml_collections.ConfigDict, tok
 # ---- import ----
 
 def hf_format(path: str) -> str | None:
-  """"llada" or "dream" when `path` holds a config.json of that model_type, else None."""
+  """The family (families.FAMILIES) whose model_type `path`'s config.json names, else None."""
   try:
     with open(os.path.join(path, "config.json")) as f:
       meta = json.load(f)
   except (OSError, ValueError):
     return None
-  mt = str(meta.get("model_type", "")).lower() if isinstance(meta, dict) else ""
-  return {"llada": "llada", "dream": "dream"}.get(mt)
-
-
-def _need(hf: dict, key: str, want, source: str):
-  if key in hf and hf[key] != want:
-    raise InteropError(f"{source}: {key}={hf[key]!r} is not supported (mdlm_jax reads {key}={want!r})")
-
-
-def _get(hf: dict, key: str, source: str):
-  if key not in hf:
-    raise InteropError(f"{source}: config.json lacks {key}")
-  return hf[key]
+  family = families.by_model_type(meta.get("model_type", "")) if isinstance(meta, dict) else None
+  return family.name if family else None
 
 
 def _model_fields(fmt: str, hf: dict, tensors: dict, source: str) -> tuple[dict, bool]:
   """Our config.model fields from a config.json, and whether the head is the embedding."""
-  if fmt == "llada":
-    for key, want in (("block_type", "llama"), ("activation_type", "silu"), ("layer_norm_type", "rms"),
-                      ("layer_norm_with_affine", True), ("rope", True), ("alibi", False), ("include_bias", False),
-                      ("attention_layer_norm", False), ("input_emb_norm", False)):
-      _need(hf, key, want, source)
-    if hf.get("multi_query_attention"):
-      raise InteropError(f"{source}: multi_query_attention=true is not supported (give n_kv_heads=1 instead)")
-    if hf.get("scale_logits", False) and not hf.get("weight_tying", False):
-      raise InteropError(f"{source}: scale_logits without weight_tying is not supported")
-    heads = _get(hf, "n_heads", source)
-    fields = dict(num_layers=_get(hf, "n_layers", source), embed_dim=_get(hf, "d_model", source), num_heads=heads,
-                  num_kv_heads=hf.get("n_kv_heads") or heads, mlp_dim=_get(hf, "mlp_hidden_size", source),
-                  rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                  qkv_bias=bool(hf.get("include_qkv_bias", False)), head_dim=-1,
-                  tie_embeddings=bool(hf.get("weight_tying", False) and hf.get("scale_logits", False)))
-    head_is_embedding = bool(hf.get("weight_tying", False)) and not fields["tie_embeddings"]
-  else:
-    _need(hf, "hidden_act", "silu", source)
-    if hf.get("use_sliding_window"):
-      raise InteropError(f"{source}: use_sliding_window=true is not supported")
-    rope = hf.get("rope_parameters") or {}
-    try:
-      scaling = RopeScaling.from_hf(hf)
-    except ValueError as e:
-      raise InteropError(f"{source}: {e}") from None
-    heads = _get(hf, "num_attention_heads", source)
-    d = _get(hf, "hidden_size", source)
-    fields = dict(num_layers=_get(hf, "num_hidden_layers", source), embed_dim=d, num_heads=heads,
-                  num_kv_heads=hf.get("num_key_value_heads") or heads,
-                  head_dim=-1 if hf.get("head_dim") in (None, d // heads) else hf["head_dim"],
-                  mlp_dim=_get(hf, "intermediate_size", source),
-                  rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=False,
-                  qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
-                  rope_scaling=dataclasses.asdict(scaling))
-    head_is_embedding = bool(hf.get("tie_word_embeddings", False))
+  family = families.FAMILIES[fmt]
+  fields, head_is_embedding = family.fields(hf, tensors, source)
   if fields["num_kv_heads"] == fields["num_heads"]:
     fields["num_kv_heads"] = -1
-  return dict(fields, mlp="swiglu", causal=False, time_conditioning=False, vocab_size=-1), head_is_embedding
+  fields = dict(fields, mlp="swiglu", causal=family.causal, time_conditioning=False, vocab_size=-1)
+  if family.causal:
+    fields["shift_logits"] = False
+  return fields, head_is_embedding
 
 
 def _tokenizer(fmt: str, path: str, tokenizer_path: str | None, hf: dict) -> Tokenizer | HFTokenizer:
   """--tokenizer (a .model, or a .json read like the folder's), else the folder's tokenizer.model,
-  else its tokenizer.json with the special ids of config.json / tokenizer_config.json."""
+  else its tokenizer.json with the special ids of config.json / tokenizer_config.json. An AR
+  family's vocabulary without a mask token lends one of its spare special tokens."""
   if not tokenizer_path:
     tokenizer_path = next((os.path.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
                            if os.path.isfile(os.path.join(path, n))), None)
@@ -338,8 +261,10 @@ def _tokenizer(fmt: str, path: str, tokenizer_path: str | None, hf: dict) -> Tok
       raise InteropError(f"{path} has no tokenizer.model or tokenizer.json; pass --tokenizer=PATH")
   if tokenizer_path.endswith(".json"):
     rows = hf.get("embedding_size") if fmt == "llada" else None
+    spare = (chat_template.from_folder(path) or "") if families.FAMILIES[fmt].causal else None
     try:
-      return HFTokenizer.from_hf_folder(path, hf, tokenizer_path, vocab_size=rows or hf.get("vocab_size"))
+      return HFTokenizer.from_hf_folder(path, hf, tokenizer_path, vocab_size=rows or hf.get("vocab_size"),
+                                        spare_mask=spare)
     except ValueError as e:
       raise InteropError(str(e)) from None
   tok = Tokenizer.from_file(tokenizer_path)
@@ -349,52 +274,77 @@ def _tokenizer(fmt: str, path: str, tokenizer_path: str | None, hf: dict) -> Tok
   return tok
 
 
+# Tensors a folder may carry that are not weights (old Llama exports kept RoPE's frequencies).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 def read(path: str, tokenizer_path: str | None = None
          ) -> tuple[ml_collections.ConfigDict, Tokenizer | HFTokenizer, dict[str, Float[np.ndarray, "..."]], int]:
-  """(our config, tokenizer, named float32 native params, step) of a LLaDA/Dream folder.
+  """(our config, tokenizer, named float32 native params, step) of a Hugging Face folder of
+  any family in `families.FAMILIES` (LLaDA, Dream, Llama, Qwen2, Qwen3).
 
   Every tensor is checked: a missing, unexpected or mis-shaped one is an
   InteropError naming it."""
+  if not os.path.isdir(path):
+    raise InteropError(f"{path}: no such folder")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise InteropError(f"{path}: no config.json (a Hugging Face model folder has one)")
   fmt = hf_format(path)
   if fmt is None:
-    raise InteropError(f"{path}: config.json does not name a llada or Dream model_type")
+    raise InteropError(f"{path}: config.json does not name a supported model_type"
+                       f" ({', '.join(f.model_type for f in families.FAMILIES.values())})")
   with open(os.path.join(path, "config.json")) as f:
     hf = json.load(f)
   try:
     tensors, _ = safetensors.load_folder(path)
   except safetensors.SafetensorsError as e:
     raise InteropError(str(e)) from None
-  fields, head_is_embedding = _model_fields(fmt, hf, tensors, path)
+  tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+  _model_fields(fmt, hf, tensors, path)  # config errors before tokenizer errors
+  return convert(fmt, hf, tensors, _tokenizer(fmt, path, tokenizer_path, hf), path)
+
+
+def convert(fmt: str, hf: dict, tensors: dict[str, np.ndarray], tok: Tokenizer | HFTokenizer, source: str
+            ) -> tuple[ml_collections.ConfigDict, Tokenizer | HFTokenizer, dict[str, Float[np.ndarray, "..."]], int]:
+  """(our config, tok, named float32 native params, step) of family `fmt`'s config.json
+  keys `hf` and its tensors (by the family's names); `source` names them in errors."""
+  family = families.FAMILIES[fmt]
+  fields, head_is_embedding = _model_fields(fmt, hf, tensors, source)
   native = hf.get("mdlm_jax") if isinstance(hf.get("mdlm_jax"), dict) else {}
   config = config_lib.base_config()
   if isinstance(native.get("config"), dict):
     config.update(ml_collections.ConfigDict(native["config"]))
   else:
     config.data.seq_len = int(hf.get("max_sequence_length") or hf.get("max_position_embeddings") or 4096)
+  if family.causal:
+    config.objective = "ar"
   drop_bias = fmt == "dream" and fields["qkv_bias"] and config.model.get("qkv_bias", True) is False
   config.model.update(fields)
-  config_lib.validate(config)
-  tok = _tokenizer(fmt, path, tokenizer_path, hf)
+  try:
+    config_lib.validate(config)
+  except config_lib.ConfigError as e:
+    raise InteropError(f"{source}: {e}") from None
   cfg = ModelConfig.from_config(config.model, vocab_size=tok.vocab_size)
   shapes = _native_shapes(cfg)
-  if head_is_embedding and "head" in shapes:
-    hf_head = hf_name(fmt, "head")[0]
-    if hf_head not in tensors:
-      tensors[hf_head] = tensors.get(hf_name(fmt, "embedding")[0])
+  head_name = family.names["head"]
+  if head_is_embedding and "head" in shapes and head_name not in tensors:
+    tensors[head_name] = tensors.get(family.names["embedding"])
+  if cfg.tie_embeddings and not cfg.scale_tied_logits:
+    tensors.pop(head_name, None)  # a tied family's lm_head is the embedding (transformers ties it on load)
   named, used = {}, set()
   for native_name, shape in shapes.items():
     name, kind = hf_name(fmt, native_name)
     if name not in tensors or tensors[name] is None:
-      raise InteropError(f"{path}: tensor {name} is missing (it holds {native_name})")
+      raise InteropError(f"{source}: tensor {name} is missing (it holds {native_name})")
     a = tensors[name]
     if tuple(a.shape) != _hf_shape(kind, shape):
-      raise InteropError(f"{path}: tensor {name} has shape {tuple(a.shape)}, config.json gives"
+      raise InteropError(f"{source}: tensor {name} has shape {tuple(a.shape)}, the config gives"
                          f" {_hf_shape(kind, shape)} (tokenizer vocab {tok.vocab_size})")
-    named[native_name] = _from_hf(kind, a.astype(np.float32), shape)
+    named[native_name] = _from_hf(kind, np.asarray(a, np.float32), shape)
     used.add(name)
   extra = sorted(set(tensors) - used)
   if extra:
-    raise InteropError(f"{path}: unexpected tensors {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    raise InteropError(f"{source}: unexpected tensors {extra[:3]}{'...' if len(extra) > 3 else ''}")
   if drop_bias:
     biases = [k for k in named if k.split(".")[-1] in ("bq", "bk", "bv")]
     if all(not named[k].any() for k in biases):  # the zeros export wrote for a bias-free model

@@ -1,7 +1,7 @@
 """Loading any checkpoint this package reads into params on a mesh.
 
-Training checkpoints (EMA weights when present), params-only folders and
-LLaDA/Dream-layout folders all come back as one `LoadedModel`.
+Training checkpoints (EMA weights when present), params-only folders, GGUF
+files and Hugging Face folders all come back as one `LoadedModel`.
 """
 
 from __future__ import annotations
@@ -39,17 +39,22 @@ class LoadedModel:
 
 def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedModel:
   """Loads a training checkpoint (EMA weights when present), a params-only
-  folder (`params_only`) or a LLaDA/Dream-layout folder with a sentencepiece
-  tokenizer.model or a Hugging Face tokenizer.json (`interop`) for inference.
+  folder (`params_only`), a GGUF file (`gguf_file`) or a Hugging Face folder of
+  a family `interop` reads (LLaDA, Dream, Llama, Qwen2, Qwen3) for inference.
 
   The checkpoint may come from any mesh; it is resharded onto `mesh` (by
   default one device)."""
+  from mdlm_jax.checkpoints import registry
+  path = registry.resolve(path)
   if mesh is None:
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   from mdlm_jax.checkpoints import chat_template
   if params_only.is_params_dir(path):
     return dataclasses.replace(_load_params_only(path, mesh), chat_template=chat_template.from_folder(path))
-  from mdlm_jax.checkpoints import interop
+  from mdlm_jax.checkpoints import gguf_file, interop
+  if gguf_file.is_gguf(path):
+    config, tokenizer, named, step, template = gguf_file.read(path)
+    return dataclasses.replace(_place(path, config, tokenizer, named, step, mesh), chat_template=template)
   if interop.hf_format(path) is not None:
     config, tokenizer, named, step = interop.read(path)
     return dataclasses.replace(_place(path, config, tokenizer, named, step, mesh),

@@ -41,13 +41,29 @@ def _as_id(value, key: str, source: str) -> int | None:
   return first
 
 
+def spare_special_id(tk, taken: set[int], avoid: str = "") -> int | None:
+  """The highest special token id that is not in `taken` and whose text does not
+  occur in `avoid` (the chat template): an AR vocabulary's [MASK] when it has
+  none. Such a token (a repository or notebook marker of a code model's
+  pretraining) appears in no chat and no answer, so reusing it costs the model
+  nothing it is asked for; samplers never propose it."""
+  for i, added in sorted(tk.get_added_tokens_decoder().items(), reverse=True):
+    if added.special and i not in taken and added.content not in avoid:
+      return i
+  return None
+
+
 class HFTokenizer:
   """tokenizer.json plus the model's special ids: the interface of tokenizer.Tokenizer."""
 
-  def __init__(self, tokenizer_json: str, ids: Mapping[str, Any], source: str = FILE):
+  def __init__(self, tokenizer_json: str, ids: Mapping[str, Any], source: str = FILE,
+               spare_mask: str | None = None):
     """`ids`: {name}_token_id for mask, bos, eos and pad, or failing one, {name}_token
     (its text, as tokenizer_config.json gives it); PAD defaults to EOS. An optional
-    vocab_size (the model's rows) may exceed the tokenizer's own ids."""
+    vocab_size (the model's rows) may exceed the tokenizer's own ids; add_bos
+    (default true): whether the model's prompts start with BOS (`adds_bos`).
+    `spare_mask` (an AR model's chat template, or ""): with no mask token named,
+    [MASK] is a special token the model has no other use for (`spare_special_id`)."""
     try:
       self._tk = _tokenizers().Tokenizer.from_str(tokenizer_json)
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON  # pylint: disable=broad-except
@@ -65,6 +81,10 @@ class HFTokenizer:
       token = token.get("content") if isinstance(token, dict) else token  # transformers' AddedToken form
       got[name] = self._tk.token_to_id(token) if i is None and isinstance(token, str) else i
     got["pad"] = got["eos"] if got["pad"] is None else got["pad"]
+    if spare_mask is not None and got["bos"] is None:  # an AR model without BOS (Qwen): prompts start bare
+      got["bos"], ids = got["eos"], {**ids, "add_bos": False}
+    if got["mask"] is None and spare_mask is not None:
+      got["mask"] = spare_special_id(self._tk, {i for i in got.values() if i is not None} | {self.unk_id}, spare_mask)
     for name, i in got.items():
       if i is None:
         raise ValueError(f"{source}: no {name}_token_id in config.json (nor a known {name}_token in"
@@ -75,9 +95,13 @@ class HFTokenizer:
       raise ValueError(f"{source}: mask_token_id={got['mask']} is also the bos, eos or pad id")
     self._ids: dict[str, int] = got  # type: ignore[assignment]
     self._special = np.array(sorted(set(got.values())), np.int64)
+    add_bos = ids.get("add_bos", True)
+    if not isinstance(add_bos, bool):
+      raise ValueError(f"{source}: add_bos={add_bos!r} is not true or false")
+    self.adds_bos = add_bos
 
   @classmethod
-  def from_file(cls, path: str | os.PathLike, ids: Mapping[str, Any]) -> HFTokenizer:
+  def from_file(cls, path: str | os.PathLike, ids: Mapping[str, Any], spare_mask: str | None = None) -> HFTokenizer:
     path = os.fspath(path)
     try:
       with open(path, encoding="utf-8") as f:
@@ -86,11 +110,11 @@ class HFTokenizer:
       raise FileNotFoundError(f"tokenizer file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
       raise ValueError(f"{path}: cannot read the tokenizer ({e})") from None
-    return cls(text, ids, source=path)
+    return cls(text, ids, source=path, spare_mask=spare_mask)
 
   @classmethod
   def from_hf_folder(cls, path: str, config: Mapping[str, Any], tokenizer_path: str | None = None,
-                     vocab_size: int | None = None) -> HFTokenizer:
+                     vocab_size: int | None = None, spare_mask: str | None = None) -> HFTokenizer:
     """The tokenizer.json of a LLaDA/Dream folder, special ids from its config.json
     (`config`) or else the token texts of its tokenizer_config.json."""
     ids: dict[str, Any] = {}
@@ -99,10 +123,13 @@ class HFTokenizer:
         extra = json.load(f)
       if isinstance(extra, dict):
         ids.update({f"{n}_token": extra.get(f"{n}_token") for n in SPECIALS})
+        if spare_mask is not None:  # an AR model: BOS as its tokenizer adds it (LLaDA/Dream prompts always have it)
+          ids["add_bos"] = extra.get("add_bos_token") is True
     except (OSError, ValueError):
       pass  # optional: config.json usually has the ids
     ids.update({f"{n}_token_id": config.get(f"{n}_token_id") for n in SPECIALS})
-    return cls.from_file(tokenizer_path or os.path.join(path, FILE), {**ids, "vocab_size": vocab_size})
+    return cls.from_file(tokenizer_path or os.path.join(path, FILE), {**ids, "vocab_size": vocab_size},
+                         spare_mask=spare_mask)
 
   @classmethod
   def from_bytes(cls, data: bytes) -> HFTokenizer:
@@ -125,7 +152,7 @@ class HFTokenizer:
 
   def meta(self) -> dict[str, int]:
     """The special ids and vocab size that go beside tokenizer.json (in config.json)."""
-    return {**self.special_ids(), "vocab_size": self._vocab}
+    return {**self.special_ids(), "vocab_size": self._vocab, "add_bos": self.adds_bos}
 
   def special_ids(self) -> dict[str, int]:
     return {f"{n}_token_id": self._ids[n] for n in SPECIALS}

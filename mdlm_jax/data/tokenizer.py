@@ -105,6 +105,8 @@ def load_bytes(data: bytes) -> Tokenizer | HFTokenizer:
 class Tokenizer:
   """sentencepiece model with the special ids the diffusion model needs."""
 
+  adds_bos = True  # our models read BOS before every prompt
+
   def __init__(self, proto: bytes, source: str = "<bytes>"):
     self._proto = bytes(proto)
     if self._proto.startswith(HF_MAGIC):

@@ -33,7 +33,7 @@ import numpy as np
 from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
 from mdlm_jax.data.tokenizer import never_generated
-from mdlm_jax.model.spec import decoding_pair
+from mdlm_jax.model.spec import decoding_pair, next_token_view
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import FEW_ROWS
@@ -236,9 +236,13 @@ class Engine:
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
                admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
                prefill_chunk: int = 0):
-    if loaded.spec.cfg.causal:
-      raise ValueError("the engine serves diffusion checkpoints; this one is autoregressive")
-    bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+    if loaded.spec.cfg.causal:  # an AR checkpoint: blocks of one token, each pass commits the next
+      if block_size not in (None, 1):
+        raise ValueError(f"an autoregressive checkpoint decodes one token a pass; block_size must be 1, got"
+                         f" {block_size}")
+      loaded, bs = next_token_view(loaded), 1
+    else:
+      bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
     if max_new_tokens % bs:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):
@@ -475,7 +479,7 @@ class Engine:
 
   def encode(self, text: str, add_bos: bool = True) -> list[int]:
     """Token ids of `text` for a request (BOS first, as prompts start)."""
-    return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+    return ([self.tok.bos_id] if add_bos and self.tok.adds_bos else []) + self.tok.encode(text)
 
   def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ThresholdSampler:
     """The decoding an effort means for this engine's model (`presets.for_model`)."""

@@ -46,9 +46,9 @@ def fan_in_init(fan_in: int):
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis: str = "embed"):
     self.eps = eps
-    self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), (axis,))
 
   def __call__(self, x):
     xf = x.astype(STATS_DTYPE)
@@ -63,7 +63,7 @@ class Attention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
                attention_impl: str, dtype, rngs: nnx.Rngs, num_kv_heads: int | None = None,
                rope_scaling: RopeScaling = RopeScaling(),
-               qkv_bias: bool = False, out_in: bool = False):
+               qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, out_in: bool = False):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta, self.attention_impl, self.dtype, self.out_in = rope_theta, attention_impl, dtype, out_in
@@ -86,6 +86,11 @@ class Attention(nnx.Module):
       self.bv = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "kv"))
     else:
       self.bq = self.bk = self.bv = None
+    if qk_norm:  # per head, over head_dim (Qwen3)
+      self.q_norm = RMSNorm(head_dim, norm_eps, rngs=rngs, axis="kv")
+      self.k_norm = RMSNorm(head_dim, norm_eps, rngs=rngs, axis="kv")
+    else:
+      self.q_norm = self.k_norm = None
 
   def __call__(self, x, positions, *, causal: bool, mask=None):
     return self.forward(x, positions, causal=causal, mask=mask)[0]
@@ -119,6 +124,8 @@ class Attention(nnx.Module):
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
     q, k_, v = self._project_qkv(x2, (b, l))
+    if self.q_norm is not None:
+      q, k_ = self.q_norm(q), self.k_norm(k_)
     q = constrain(rope(q, positions, self.rope_theta, self.rope_scaling), ("batch", "length", "act_heads", None))
     k_ = constrain(rope(k_, positions, self.rope_theta, self.rope_scaling), ("batch", "length", "act_kv_heads", None))
     v = constrain(v, ("batch", "length", "act_kv_heads", None))

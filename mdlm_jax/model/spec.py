@@ -60,6 +60,23 @@ def with_weight_layout(loaded: Any, layout: str) -> Any:
   return dataclasses.replace(loaded, spec=spec, params=params)
 
 
+def next_token_view(loaded: Any) -> Any:
+  """A causal (AR) model as the block decoders see a model with a shifted head:
+  the same params, with position i scored by the state of i - 1 (shift_logits).
+  Decoded in blocks of one token against the KV cache, a pass then commits
+  exactly the token AR decoding would (the masked query's own state is never
+  read), so every diffusion serving path serves an AR checkpoint unchanged."""
+  cfg = loaded.spec.cfg
+  if not cfg.causal:
+    raise ValueError("next_token_view takes a causal (AR) model")
+  if cfg.shift_logits:
+    return loaded
+  first = jax.tree.leaves(loaded.params)[0].sharding
+  spec = model_spec(dataclasses.replace(cfg, shift_logits=True),
+                    first.mesh if isinstance(first, jax.sharding.NamedSharding) else None)
+  return dataclasses.replace(loaded, spec=spec)
+
+
 def for_decoding(loaded: Any, layout: str | None = None) -> Any:
   """The model in weight layout `layout`, by default the one that decodes
   fastest where its params live: "out_in" on CPU (a few token rows per pass

@@ -40,6 +40,12 @@ class ModelConfig:
   time_conditioning: bool = False
   cond_dim: int = 128
   tie_embeddings: bool = True
+  # A tied head divides the hidden state by sqrt(embed_dim) (unit-variance
+  # embeddings; LLaDA's scale_logits); False is the plain tied head of Llama,
+  # Qwen and SmolLM checkpoints.
+  scale_tied_logits: bool = True
+  # RMSNorm over each query and key head before RoPE (Qwen3).
+  qk_norm: bool = False
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling = RopeScaling()
   norm_eps: float = 1e-6
@@ -81,7 +87,7 @@ class Block(nnx.Module):
     out_in = cfg.weight_layout == "out_in"
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, num_kv_heads=cfg.resolved_kv_heads,
-                          qkv_bias=cfg.qkv_bias, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                          qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
                           attention_impl=cfg.attention, dtype=dt,
                           rngs=rngs, out_in=out_in)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
@@ -206,7 +212,8 @@ class Transformer(nnx.Module):
     impl = "xla" if self.cfg.attention == "reference" else self.cfg.attention  # the head has no reference mode
     if self.head is not None:
       return HeadInput(hidden, self.head[...], impl, out_in)
-    hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
+    if self.cfg.scale_tied_logits:
+      hidden = hidden * (self.cfg.embed_dim ** -0.5)  # tied: unit-variance embeddings
     emb = self.embedding[...]  # [v, d]: already out_in
     return HeadInput(hidden, emb if out_in else emb.T, impl, out_in)
 

@@ -120,7 +120,7 @@ class Generator:
     return sampler.run(denoiser, tokens, valid, keys, layout, record, emit)
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
-    return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+    return ([self.tok.bos_id] if add_bos and self.tok.adds_bos else []) + self.tok.encode(text)
 
   def generate(self, prompts: Sequence[str], *, max_new_tokens: int, sampler, seed: int = 0,
                suffixes: Sequence[str] | None = None, stop: Sequence[str] = (), record_drafts: bool = False,
@@ -131,7 +131,7 @@ class Generator:
     ids = [self.encode_prompt(p, add_bos) for p in prompts]
     suf = [self.tok.encode(s) for s in suffixes] if suffixes is not None else None
     if suf is not None and self.fim is not None:  # trained with FIM: the PSM prompt, no suffix in view
-      ids = [self.fim.prompt(self.tok.bos_id if add_bos else None, self.tok.encode(p), s)
+      ids = [self.fim.prompt(self.tok.bos_id if add_bos and self.tok.adds_bos else None, self.tok.encode(p), s)
              for p, s in zip(prompts, suf)]
       suf = None
     gen_len = max_new_tokens
@@ -236,11 +236,12 @@ class ARGenerator:
 
   def encode_prompt(self, text: str, add_bos: bool = True, suffix: str | None = None) -> list[int]:
     if suffix is None:
-      return ([self.tok.bos_id] if add_bos else []) + self.tok.encode(text)
+      return ([self.tok.bos_id] if add_bos and self.tok.adds_bos else []) + self.tok.encode(text)
     if self.fim is None:
       raise ValueError("this autoregressive checkpoint was not trained with fill-in-the-middle (data.fim_rate),"
                        " so it cannot infill: leave out the suffix")
-    return self.fim.prompt(self.tok.bos_id if add_bos else None, self.tok.encode(text), self.tok.encode(suffix))
+    bos = self.tok.bos_id if add_bos and self.tok.adds_bos else None
+    return self.fim.prompt(bos, self.tok.encode(text), self.tok.encode(suffix))
 
   def generate(self, prompts: Sequence[str], *, max_new_tokens: int, sampler=None, seed: int = 0,
                stop: Sequence[str] = (), add_bos: bool = True, temperature: float = 0.0,

@@ -152,7 +152,7 @@ def test_errors_name_the_problem(tok, tmp_path):
     checkpoints.load(missing)
   shape = broken("shape", lambda d: safetensors.save(
       str(d / "model.safetensors"), {**tensors, "model.transformer.blocks.0.k_proj.weight": np.zeros((32, 32))}))
-  with pytest.raises(interop.InteropError, match=r"k_proj.weight has shape \(32, 32\), config.json gives \(16, 32\)"):
+  with pytest.raises(interop.InteropError, match=r"k_proj.weight has shape \(32, 32\), the config gives \(16, 32\)"):
     checkpoints.load(shape)
   extra = broken("extra", lambda d: safetensors.save(str(d / "model.safetensors"), {**tensors, "x.y": np.ones(2)}))
   with pytest.raises(interop.InteropError, match=r"unexpected tensors \['x.y'\]"):
@@ -174,7 +174,9 @@ def test_errors_name_the_problem(tok, tmp_path):
   assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
   from mdlm_jax import export
   with pytest.raises(SystemExit):
-    export.parse([f"--checkpoint={out}", f"--out={tmp_path / 'x'}", "--format=gguf"])
+    export.parse([f"--checkpoint={out}", f"--out={tmp_path / 'x'}", "--format=onnx"])
+  with pytest.raises(ValueError, match="--format=gguf is read with --import"):
+    export._export(export.parse([f"--checkpoint={out}", f"--out={tmp_path / 'x'}", "--format=gguf"]), 2**30)
   with pytest.raises(ValueError, match="holds a llada checkpoint"):
     export._import(export.parse(["--import", "--format=dream", f"--checkpoint={out}", f"--out={tmp_path / 'x'}"]),
                    2**30)

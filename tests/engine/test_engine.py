@@ -631,3 +631,25 @@ def test_a_reused_slot_hides_the_last_requests_keys(loaded):
       assert done.text == want.completions[0].text, prompt
   finally:
     e.close(deadline_s=1)
+
+
+def test_an_autoregressive_checkpoint_decodes_as_its_ar_sampler(tiny_checkpoints):
+  """An AR checkpoint in the engine (blocks of one token, its head read shifted) writes
+  exactly the KV-cached AR sampler's greedy tokens, requests sharing passes."""
+  from mdlm_jax.sampling.generate import generator_for
+  from mdlm_jax.sampling.ar import ARSampler
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  with pytest.raises(ValueError, match="block_size must be 1"):
+    Engine(ar, num_slots=2, max_prompt=32, max_new_tokens=16, block_size=8)
+  e = Engine(ar, num_slots=3, max_prompt=32, max_new_tokens=16).start()
+  try:
+    assert e.sc.block_size == 1
+    gen = generator_for(ar)
+    handles = [e.submit(Request(e.encode(p), 12, e.sampler_for(effort), seed=0))
+               for p, effort in zip(PROMPTS, ("instant", "medium", "high"))]
+    for h, p in zip(handles, PROMPTS):
+      done = h.result(timeout=120)
+      want = gen.generate([p], max_new_tokens=12, sampler=ARSampler(12, temperature=0.0)).completions[0]
+      assert done.text == want.text and done.finish_reason == want.finish_reason
+  finally:
+    e.close(deadline_s=1)
