@@ -83,7 +83,7 @@ def _mask(c: _Static, q_lo, k_lo, bq, bk, q_seg, q_end, kv_seg, kv_valid):
 
 def _may_be_empty(c: _Static) -> bool:
   """Whether tiles inside the structural range can still be fully masked (then test before computing)."""
-  return c.spec.has_segments or c.spec.has_valid or c.spec.kind in ("block_diffusion", "prefix")
+  return c.spec.has_segments or c.spec.has_valid or c.spec.kind in ("block_diffusion", "block_diffusion_causal", "prefix")
 
 
 def _skip_empty(c: _Static, mask, compute, carry):

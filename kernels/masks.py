@@ -9,6 +9,9 @@ Query i may read key j when all of these hold:
                            S / 2 long, blocks of `block_size`: noisy block b reads
                            noisy block b and clean blocks < b; clean block b reads
                            clean blocks <= b
+  kind "block_diffusion_causal": the same, but clean token i reads clean tokens <= i
+                           (the clean context computed as an AR model computes it:
+                           an adapted AR model's prefix stays its base's)
   kind "prefix":           j < q_end[i]       (a KV cache: each query reads a prefix
                            of the slots, see `KVCache.attention_mask`)
   and, where given: kv_valid[j], and q_segment_ids[i] == kv_segment_ids[j]
@@ -23,7 +26,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Int
 
-KINDS = ("full", "causal", "block_diffusion", "prefix")
+KINDS = ("full", "causal", "block_diffusion", "block_diffusion_causal", "prefix")
+BLOCK_KINDS = ("block_diffusion", "block_diffusion_causal")  # the [x_t ; x_0] training layouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +54,7 @@ class AttentionMask:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"unknown mask kind {self.kind!r}; choose from {KINDS}")
-    if self.kind == "block_diffusion" and self.block_size <= 0:
+    if self.kind in BLOCK_KINDS and self.block_size <= 0:
       raise ValueError(f"block_diffusion masks need block_size > 0, got {self.block_size}")
     if (self.kind == "prefix") != (self.q_end is not None):
       raise ValueError("q_end is given exactly for kind 'prefix'")
@@ -74,7 +78,7 @@ class AttentionMask:
     return self.replace(kind="causal")
 
   def check(self, l: int, s: int) -> None:
-    if self.kind == "block_diffusion" and (l != s or s % 2 or (s // 2) % self.block_size):
+    if self.kind in BLOCK_KINDS and (l != s or s % 2 or (s // 2) % self.block_size):
       raise ValueError(f"block_diffusion needs l == s == 2 * a multiple of block_size ({self.block_size}),"
                        f" got l={l}, s={s}")
 
@@ -122,11 +126,12 @@ def tile_mask(spec: MaskSpec | AttentionMask, qi, kj, *, l: int, s: int, q_seg=N
 
   if spec.kind == "causal":
     allowed = kj <= qi + (s - l)
-  elif spec.kind == "block_diffusion":
+  elif spec.kind in BLOCK_KINDS:
     half, bs = s // 2, spec.block_size
     q_noisy, k_noisy = qi < half, kj < half
     qb, kb = (qi % half) // bs, (kj % half) // bs
-    allowed = jnp.where(q_noisy, jnp.where(k_noisy, qb == kb, kb < qb), jnp.logical_not(k_noisy) & (kb <= qb))
+    clean = kj <= qi if spec.kind == "block_diffusion_causal" else kb <= qb
+    allowed = jnp.where(q_noisy, jnp.where(k_noisy, qb == kb, kb < qb), jnp.logical_not(k_noisy) & clean)
   elif spec.kind == "prefix":
     allowed = kj < q_end
   if kv_valid is not None:
@@ -150,7 +155,7 @@ def kv_tile_range(spec: MaskSpec, q_lo, q_hi, *, l: int, s: int, block_k: int, n
     hi_key = q_hi + (s - l)
   elif spec.kind == "prefix":
     hi_key = q_end_max
-  elif spec.kind == "block_diffusion":
+  elif spec.kind in BLOCK_KINDS:  # the causal clean half reads a subset of the block one's keys
     half, bs = s // 2, spec.block_size
     r = q_hi - 1
     bn = jnp.minimum(r, half - 1) // bs
@@ -168,7 +173,7 @@ def q_tile_range(spec: MaskSpec, k_lo, k_hi, *, l: int, s: int, block_q: int, nu
   k_hi = jnp.minimum(k_hi, s)
   if spec.kind == "causal":
     return jnp.clip((k_lo - (s - l)) // block_q, 0, num_q_blocks), num_q_blocks
-  if spec.kind == "block_diffusion":
+  if spec.kind in BLOCK_KINDS:
     half, bs = s // 2, spec.block_size
     # A noisy key is read by its own noisy block only; a clean key of block c
     # by noisy blocks > c and clean blocks >= c.

@@ -51,6 +51,13 @@ def base_config() -> ml_collections.ConfigDict:
   # A tied head scales logits by embed_dim ** -0.5 (LLaDA); False: Llama's plain tied head.
   m.scale_tied_logits = True
   m.qk_norm = False  # RMSNorm on each query/key head before RoPE (Qwen3).
+  # An AR model adapted to block diffusion (A2D.md): clean tokens attend causally,
+  # as the base did; only the block being denoised attends both ways.
+  m.clean_causal = False
+  # Low-rank adapters on every linear layer, acting on the tokens being denoised
+  # only (0: none); train.trainable="adapters" trains them alone.
+  m.lora_rank = 0
+  m.lora_alpha = 16.0
   m.rope_theta = 10000.0
   # Stretching RoPE past the trained context (model/rope.py): type "linear",
   # "dynamic", "yarn" or "llama3" with `factor` and `max_position`, the
@@ -136,6 +143,9 @@ def base_config() -> ml_collections.ConfigDict:
   # A checkpoint or params-only folder whose weights start a fresh run (e.g. an
   # AR model adapted to diffusion); same network shape and tokenizer required.
   t.init_from = ""
+  # "all" parameters, or the "adapters" alone (model.lora_rank > 0): the base stays frozen
+  # and computes no weight gradients.
+  t.trainable = "all"
 
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1  # -1: all devices not used by the other axes.
@@ -244,6 +254,17 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(0 < hi <= 1, "diffusion.train_t_max", f"must be in (0, 1], got {hi}")
   _check(0 <= lo < hi and d.sampling_eps < hi, "diffusion.train_t_min",
          f"must be >= 0 and below train_t_max={hi} (and sampling_eps={d.sampling_eps} below it too), got {lo}")
+
+  rank = m.get("lora_rank", 0)
+  _check(isinstance(rank, int) and rank >= 0, "model.lora_rank", f"must be an int >= 0, got {rank!r}")
+  _check(m.get("lora_alpha", 16.0) > 0, "model.lora_alpha", f"must be positive, got {m.get('lora_alpha')}")
+  trainable = c.train.get("trainable", "all")
+  _check(trainable in ("all", "adapters"), "train.trainable", f"must be 'all' or 'adapters', got {trainable!r}")
+  _check(trainable == "all" or rank > 0, "train.trainable", "'adapters' needs model.lora_rank > 0")
+  if m.get("clean_causal", False):
+    _check(c.objective == "mdlm" and d.get("block_size", 0) > 0 and m.get("shift_logits", False),
+           "model.clean_causal", "an adapted AR model is a block-diffusion model (diffusion.block_size > 0) with a"
+           " shifted head (model.shift_logits=True)")
 
   dt = c.data
   _check(isinstance(dt.corpus, str) and dt.corpus, "data.corpus", "must be 'stdlib' or a path")

@@ -45,6 +45,9 @@ def parse(argv):
   p.add_argument("--max-shard-size", default="5GB",
                  help="split the weights into model-0000i-of-0000n.safetensors shards past this size")
   p.add_argument("--no-ema", action="store_true", help="export the raw params, not the EMA")
+  p.add_argument("--adapters-only", action="store_true",
+                 help="write the low-rank adapters alone (megabytes); loading reads the rest from the run's"
+                      " train.init_from base")
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
   a = p.parse_args(argv)
   a.dtype = a.dtype or ("float32" if a.import_ else "bfloat16")
@@ -93,6 +96,8 @@ def _export(a, max_shard: int) -> tuple[str, int]:
     raise ValueError(f"{a.checkpoint} is already a params-only folder")
   if a.tokenizer:
     raise ValueError("--tokenizer is for --import only")
+  if a.adapters_only and not native:
+    raise ValueError("--adapters-only writes a native params-only folder")
   if not native and a.format not in interop.FORMATS:
     raise ValueError(f"--format={a.format} is read with --import; export writes {', '.join(FORMATS)}")
   loaded = checkpoints.load(a.checkpoint, use_ema=not a.no_ema)
@@ -101,11 +106,17 @@ def _export(a, max_shard: int) -> tuple[str, int]:
                        dtype=a.dtype, max_shard_bytes=max_shard, overwrite=a.overwrite,
                        chat_template=loaded.chat_template)
     return out, loaded.step
+  base = None
+  if a.adapters_only:
+    base = loaded.config.train.get("init_from", "")
+    if not base or loaded.config.train.get("trainable", "all") != "adapters":
+      raise ValueError("--adapters-only exports a run that trained adapters alone (train.trainable=adapters) over"
+                       " a train.init_from base")
   out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,
                          dtype=a.dtype, overwrite=a.overwrite, max_shard_bytes=max_shard,
                          extra={"weights": "ema" if loaded.has_ema and not a.no_ema else "params",
                                 "objective": loaded.config.objective},
-                         chat_template=loaded.chat_template)
+                         chat_template=loaded.chat_template, base=base)
   return out, loaded.step
 
 

@@ -116,6 +116,14 @@ def _tokenizer(reader, template: str, source: str) -> HFTokenizer:
     raise InteropError(str(e)) from None
 
 
+def chat_template_of(path: str) -> str | None:
+  """`tokenizer.chat_template` of a GGUF file (its metadata only)."""
+  try:
+    return _value(_gguf().GGUFReader(path), "tokenizer.chat_template")
+  except Exception:  # pylint: disable=broad-except  # `read` reports what is wrong with the file
+    return None
+
+
 def read(path: str) -> tuple[ml_collections.ConfigDict, HFTokenizer, dict[str, np.ndarray], int, str | None]:
   """(our config, tokenizer, named float32 native params, step 0, chat template) of a GGUF file.
 

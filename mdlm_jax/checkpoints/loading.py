@@ -7,10 +7,12 @@ files and Hugging Face folders all come back as one `LoadedModel`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import Mesh
 
 from mdlm_jax.checkpoints import checkpointer, params_only
@@ -50,7 +52,8 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   from mdlm_jax.checkpoints import chat_template
   if params_only.is_params_dir(path):
-    return dataclasses.replace(_load_params_only(path, mesh), chat_template=chat_template.from_folder(path))
+    loaded = _load_params_only(path, mesh)
+    return dataclasses.replace(loaded, chat_template=chat_template.from_folder(path) or _base_template(loaded.config))
   from mdlm_jax.checkpoints import gguf_file, interop
   if gguf_file.is_gguf(path):
     config, tokenizer, named, step, template = gguf_file.read(path)
@@ -70,13 +73,41 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   state = checkpointer.restore_weights(root, step, target)
   params = state["ema"] if want_ema else state["params"]
   return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)),
-                     chat_template.named(config.data.get("chat_template", "")))
+                     chat_template.named(config.data.get("chat_template", "")) or _base_template(config))
 
 
 def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
   meta, tokenizer, named = params_only.read(path)
   config = ml_collections.ConfigDict(meta["config"])
+  if meta.get("base"):  # an adaptation: its adapters over a base's weights
+    named = {**_base_weights(meta["base"], path), **named}
   return _place(path, config, tokenizer, named, int(meta.get("step", 0)), mesh)
+
+
+def _base_template(config: ml_collections.ConfigDict) -> str | None:
+  """The chat template of the model a run started from (train.init_from), when
+  it has one: an AR model adapted to diffusion keeps its base's chat format."""
+  from mdlm_jax.checkpoints import chat_template, gguf_file, registry
+  base = config.train.get("init_from", "") if "train" in config else ""
+  if not base or config.data.get("chat_template", ""):
+    return None
+  if base in registry.MODELS:
+    if not registry.is_cached(base):
+      return None
+    base = registry.cached_path(base)
+  if gguf_file.is_gguf(base) and os.path.isfile(base):
+    return gguf_file.chat_template_of(base)
+  return chat_template.from_folder(base) if os.path.isdir(base) else None
+
+
+def _base_weights(base: str, path: str) -> dict:
+  """The named float32 weights of the base an adapters-only folder names (any
+  checkpoint `load` reads: a registry name, GGUF file, folder or training run)."""
+  try:
+    loaded = load(base)
+  except (FileNotFoundError, ValueError) as e:
+    raise params_only.ParamsFileError(f"{path}: cannot read its base {base!r}: {e}") from None
+  return {k: np.asarray(jax.device_get(v), np.float32) for k, v in params_only.flatten(loaded.params).items()}
 
 
 def _place(path: str, config: ml_collections.ConfigDict, tokenizer: Tokenizer | HFTokenizer, named, step: int,

@@ -109,15 +109,29 @@ def unflatten_like(abstract: Any, named: dict[str, np.ndarray], source: str) -> 
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def is_adapter_name(name: str) -> bool:
+  """A low-rank adapter's parameter path (model.lora_rank)."""
+  return any(part.startswith("lora_") for part in name.split("."))
+
+
 def save(out: str, params: Any, config: ml_collections.ConfigDict, tokenizer: Tokenizer | HFTokenizer, *, step: int,
          dtype: str = "bfloat16", extra: dict | None = None, overwrite: bool = False,
-         max_shard_bytes: int = DEFAULT_MAX_SHARD, chat_template: str | None = None) -> str:
+         max_shard_bytes: int = DEFAULT_MAX_SHARD, chat_template: str | None = None, base: str | None = None) -> str:
   """Writes the folder `out` atomically (with `chat_template.jinja` when the
-  model has a chat template); returns its path."""
+  model has a chat template); returns its path. With `base` (a checkpoint
+  path or registry name holding every other weight, unchanged), only the
+  adapters are written: the folder is the adaptation, megabytes, and loading
+  it reads `base` too."""
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   np_dtype = np.dtype(jax.numpy.dtype(dtype))
-  tensors = {k: np.asarray(jax.device_get(v)).astype(np_dtype) for k, v in flatten(params).items()}
+  named = flatten(params)
+  if base is not None:
+    named = {k: v for k, v in named.items() if is_adapter_name(k)}
+    if not named:
+      raise ValueError("an adapters-only folder needs a model with adapters (model.lora_rank > 0)")
+    extra = {**(extra or {}), "base": base}
+  tensors = {k: np.asarray(jax.device_get(v)).astype(np_dtype) for k, v in named.items()}
   with atomic_folder(out, overwrite) as tmp:
     safetensors.save_folder(tmp, tensors, max_shard_bytes=max_shard_bytes, metadata={"format": FORMAT})
     name, data = tokenizer.file()

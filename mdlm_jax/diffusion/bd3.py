@@ -30,8 +30,10 @@ def count_blocks(seq_len: int, block_size: int) -> int:
   return seq_len // block_size
 
 
-def block_attention_mask(seq_len: int, block_size: int) -> np.ndarray:
-  """bool [2L, 2L], True = attend; rows and columns are [x_t ; x_0].
+def block_attention_mask(seq_len: int, block_size: int, clean_causal: bool = False) -> np.ndarray:
+  """bool [2L, 2L], True = attend; rows and columns are [x_t ; x_0]. With
+  `clean_causal` the clean half is token-causal: the context an AR model
+  adapted to diffusion computes exactly as it did (model.clean_causal).
 
   A numpy constant of static shape, so under jit it is folded into the
   program instead of being rebuilt each step."""
@@ -41,7 +43,8 @@ def block_attention_mask(seq_len: int, block_size: int) -> np.ndarray:
   noisy_to_noisy = q == k  # block-diagonal: denoise a block jointly
   noisy_to_clean = k < q  # offset block-causal: the clean context before it
   clean_to_noisy = np.zeros((seq_len, seq_len), bool)  # clean keys never see noise
-  clean_to_clean = k <= q  # block-causal, as a sampler's KV cache would be built
+  # block-causal, as a sampler's KV cache would be built; or token-causal
+  clean_to_clean = np.arange(seq_len)[None] <= np.arange(seq_len)[:, None] if clean_causal else k <= q
   return np.block([[noisy_to_noisy, noisy_to_clean], [clean_to_noisy, clean_to_clean]])
 
 
@@ -86,15 +89,19 @@ def block_forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b
 def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size: int,
                  valid: Bool[Array, "b l"] | None = None) -> Float[Array, "b l v"]:
   """Logits of the x_t half of one forward pass over [x_t ; x_0]; no token
-  attends to padding (`valid` False) in either half."""
+  attends to padding (`valid` False) in either half. A model with
+  `clean_causal` reads its clean half token-causally, and its adapters
+  (model.lora_rank) act on the x_t half only."""
   b, l = xt.shape
   tokens = jnp.concatenate([xt, x0], axis=1)
   positions = jnp.broadcast_to(jnp.asarray(block_positions(l)), (b, 2 * l))
   count_blocks(l, block_size)
   # Structural, so a kernel builds it per tile; equal to `block_attention_mask`.
   kv_valid = None if valid is None else jnp.concatenate([valid, valid], axis=1)
-  mask = kernels.AttentionMask(kind="block_diffusion", block_size=block_size, kv_valid=kv_valid)
-  hidden = model.hidden_states(tokens, None, positions, mask)
+  kind = "block_diffusion_causal" if model.cfg.clean_causal else "block_diffusion"
+  mask = kernels.AttentionMask(kind=kind, block_size=block_size, kv_valid=kv_valid)
+  noisy = jnp.broadcast_to(jnp.arange(2 * l) < l, (b, 2 * l)) if model.cfg.lora_rank else None
+  hidden = model.hidden_states(tokens, None, positions, mask, noisy=noisy)
   if not model.cfg.shift_logits:
     # Only the x_t half is scored: skip the vocabulary projection of the x_0 half.
     return model.logits(hidden[:, :l])

@@ -89,8 +89,8 @@ class KVCache:
     valid, spec = self.attention_spec(valid_new, causal=causal, new_block=new_block)
     return valid, spec.dense(valid_new.shape[1], self.max_len)
 
-  def attention_spec(self, valid_new: Bool[Array, "b t"], *, causal: bool, new_block: int = 0
-                     ) -> tuple[Bool[Array, "b s"], AttentionMask]:
+  def attention_spec(self, valid_new: Bool[Array, "b t"], *, causal: bool, new_block: int = 0,
+                     clean: Bool[Array, "b t"] | None = None) -> tuple[Bool[Array, "b s"], AttentionMask]:
     """Which slots the t new tokens (to be written at [length, length + t)) may read.
 
     Returns the slot validity with the new tokens' entries written in, and the mask:
@@ -100,6 +100,8 @@ class KVCache:
     prompt, to be committed) that reads only itself, and a tail block that
     reads everything. Slots past length + t are never visible, so
     stale entries beyond the fill point (e.g. an uncommitted block) are ignored.
+    `clean` (an adapted AR model, ModelConfig.clean_causal): those new tokens
+    read causally whatever else holds, as the base model read its context.
     Each query reads a prefix of the slots (those valid), so the mask is a
     structural "prefix" mask: one end slot per query.
     """
@@ -118,6 +120,8 @@ class KVCache:
       q_end = jnp.where(query_slot >= head_end, start + t, head_end)
     else:
       q_end = start + t + jnp.zeros((1, t), jnp.int32)
+    if clean is not None:
+      q_end = jnp.where(clean, query_slot + 1, q_end)
     q_end = jnp.broadcast_to(q_end, (b, t)).astype(jnp.int32)
     return valid, AttentionMask(kind="prefix", q_end=q_end, kv_valid=valid)
 

@@ -45,6 +45,25 @@ def fan_in_init(fan_in: int):
   return nnx.initializers.truncated_normal(stddev=1.0 / math.sqrt(fan_in))
 
 
+class LoRA(nnx.Module):
+  """A low-rank update x @ a @ b * scale of one linear layer (b starts at zero,
+  so an adapted model starts as its base), applied to the `noisy` rows only."""
+
+  def __init__(self, fan_in: int, fan_out: int, rank: int, scale: float, *, rngs: nnx.Rngs,
+               axes: tuple[str | None, str | None] = ("embed", None)):
+    self.scale = scale
+    self.a = param(rngs, fan_in_init(fan_in), (fan_in, rank), (axes[0], None))
+    self.b = param(rngs, nnx.initializers.zeros, (rank, fan_out), (None, axes[1]))
+
+  def __call__(self, x2d, dtype, noisy2d=None):
+    y = (x2d.astype(dtype) @ self.a[...].astype(dtype)) @ (self.b[...] * self.scale).astype(dtype)
+    return y if noisy2d is None else y * noisy2d.astype(dtype)
+
+
+def _lora_delta(lora: "LoRA | None", x2d, dtype, noisy):
+  return 0.0 if lora is None else lora(x2d, dtype, None if noisy is None else noisy.reshape(-1, 1))
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis: str = "embed"):
     self.eps = eps
@@ -63,7 +82,8 @@ class Attention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
                attention_impl: str, dtype, rngs: nnx.Rngs, num_kv_heads: int | None = None,
                rope_scaling: RopeScaling = RopeScaling(),
-               qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, out_in: bool = False):
+               qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, out_in: bool = False,
+               lora: tuple[int, float] | None = None):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope_theta, self.attention_impl, self.dtype, self.out_in = rope_theta, attention_impl, dtype, out_in
@@ -86,14 +106,22 @@ class Attention(nnx.Module):
       self.bv = param(rngs, zeros, (num_kv_heads, head_dim), ("kv_heads", "kv"))
     else:
       self.bq = self.bk = self.bv = None
+    if lora is not None:  # (rank, scale): adapters on q, k, v and the output
+      r, sc = lora
+      self.lora_q = LoRA(embed_dim, num_heads * head_dim, r, sc, rngs=rngs)
+      self.lora_k = LoRA(embed_dim, num_kv_heads * head_dim, r, sc, rngs=rngs)
+      self.lora_v = LoRA(embed_dim, num_kv_heads * head_dim, r, sc, rngs=rngs)
+      self.lora_o = LoRA(num_heads * head_dim, embed_dim, r, sc, rngs=rngs, axes=(None, "embed"))
+    else:
+      self.lora_q = self.lora_k = self.lora_v = self.lora_o = None
     if qk_norm:  # per head, over head_dim (Qwen3)
       self.q_norm = RMSNorm(head_dim, norm_eps, rngs=rngs, axis="kv")
       self.k_norm = RMSNorm(head_dim, norm_eps, rngs=rngs, axis="kv")
     else:
       self.q_norm = self.k_norm = None
 
-  def __call__(self, x, positions, *, causal: bool, mask=None):
-    return self.forward(x, positions, causal=causal, mask=mask)[0]
+  def __call__(self, x, positions, *, causal: bool, mask=None, noisy=None):
+    return self.forward(x, positions, causal=causal, mask=mask, noisy=noisy)[0]
 
   def _project(self, x2, w, b, shape):
     """[tokens, d] @ [d, heads, k] (+ bias), reshaped to [b, l, heads, k]."""
@@ -115,15 +143,19 @@ class Attention(nnx.Module):
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
               mask: Bool[Array, "b #h l s"] | kernels.AttentionMask | None = None, cache: KVCache | None = None,
-              layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
+              layer: int = 0, noisy: Bool[Array, "b l"] | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
     """Self-attention; with `cache`, the new keys/values are first written into
     layer `layer` of the cache and the queries read the whole cache buffer
-    (`mask` then says which slots are visible). Returns the updated cache."""
+    (`mask` then says which slots are visible). Returns the updated cache.
+    `noisy`: the tokens the adapters act on (None: all)."""
     dt = self.dtype
     b, l, d = x.shape
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
     q, k_, v = self._project_qkv(x2, (b, l))
+    if self.lora_q is not None:
+      q, k_, v = (y + _lora_delta(a, x2, dt, noisy).reshape(y.shape)
+                  for y, a in ((q, self.lora_q), (k_, self.lora_k), (v, self.lora_v)))
     if self.q_norm is not None:
       q, k_ = self.q_norm(q), self.k_norm(k_)
     q = constrain(rope(q, positions, self.rope_theta, self.rope_scaling), ("batch", "length", "act_heads", None))
@@ -136,12 +168,22 @@ class Attention(nnx.Module):
     else:
       o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
     wo = self.wo[...].reshape((d, h * k) if self.out_in else (h * k, d))
-    return dense(o.reshape(b * l, h * k), wo, dt, self.out_in).reshape(b, l, d), cache
+    o2 = o.reshape(b * l, h * k)
+    out = dense(o2, wo, dt, self.out_in) + _lora_delta(self.lora_o, o2, dt, noisy)
+    return out.reshape(b, l, d), cache
 
 
 class MLP(nnx.Module):
-  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs, out_in: bool = False):
+  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs, out_in: bool = False,
+               lora: tuple[int, float] | None = None):
     self.kind, self.dtype, self.out_in = kind, dtype, out_in
+    if lora is not None:  # (rank, scale): adapters on every projection
+      r, sc = lora
+      self.lora_gate = LoRA(embed_dim, mlp_dim, r, sc, rngs=rngs, axes=("embed", "mlp")) if kind == "swiglu" else None
+      self.lora_up = LoRA(embed_dim, mlp_dim, r, sc, rngs=rngs, axes=("embed", "mlp"))
+      self.lora_down = LoRA(mlp_dim, embed_dim, r, sc, rngs=rngs, axes=("mlp", "embed"))
+    else:
+      self.lora_gate = self.lora_up = self.lora_down = None
     init = fan_in_init(embed_dim)
     if out_in:  # the decoding layout: gate and up in one [out, in] weight, one product
       self.w_in = param(rngs, init, (2 if kind == "swiglu" else 1, mlp_dim, embed_dim), (None, "mlp", "embed"))
@@ -152,7 +194,7 @@ class MLP(nnx.Module):
       self.w_up = param(rngs, init, (embed_dim, mlp_dim), ("embed", "mlp"))
       self.w_down = param(rngs, fan_in_init(mlp_dim), (mlp_dim, embed_dim), ("mlp", "embed"))
 
-  def __call__(self, x):
+  def __call__(self, x, noisy=None):
     dt, out_in = self.dtype, self.out_in
     b, l, d = x.shape
     x2 = x.reshape(b * l, d)
@@ -162,13 +204,16 @@ class MLP(nnx.Module):
     else:
       parts = [dense(x2, self.w_gate[...], dt)] if self.kind == "swiglu" else []
       parts.append(dense(x2, self.w_up[...], dt))
+    if self.lora_up is not None:
+      adapters = [self.lora_gate, self.lora_up] if self.kind == "swiglu" else [self.lora_up]
+      parts = [p + _lora_delta(a, x2, dt, noisy) for p, a in zip(parts, adapters)]
     if self.kind == "swiglu":
       gate, up = parts
       h = jax.nn.silu(gate) * up
     else:
       h = jax.nn.gelu(parts[0])
     h = constrain(h.reshape(b, l, -1), ("batch", "length", "act_mlp")).reshape(b * l, -1)
-    return dense(h, self.w_down[...], dt, out_in).reshape(b, l, d)
+    return (dense(h, self.w_down[...], dt, out_in) + _lora_delta(self.lora_down, h, dt, noisy)).reshape(b, l, d)
 
 
 class Modulation(nnx.Module):

@@ -46,6 +46,15 @@ class ModelConfig:
   scale_tied_logits: bool = True
   # RMSNorm over each query and key head before RoPE (Qwen3).
   qk_norm: bool = False
+  # An AR model adapted to diffusion: clean tokens (the prompt, committed
+  # blocks) attend causally, as in the base, and only a block being denoised
+  # attends both ways (A2D.md); the clean context stays the base's.
+  clean_causal: bool = False
+  # Low-rank adapters (rank r, update scaled by lora_alpha / r) on every
+  # linear layer, acting on the tokens being denoised only: the clean stream
+  # stays the frozen base's computation (0: none).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling = RopeScaling()
   norm_eps: float = 1e-6
@@ -87,25 +96,28 @@ class Block(nnx.Module):
     out_in = cfg.weight_layout == "out_in"
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.resolved_head_dim, num_kv_heads=cfg.resolved_kv_heads,
-                          qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                          qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, lora=_lora(cfg),
+                          rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
                           attention_impl=cfg.attention, dtype=dt,
                           rngs=rngs, out_in=out_in)
     self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
-    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs, out_in=out_in)
+    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, cfg.mlp, dtype=dt, rngs=rngs, out_in=out_in, lora=_lora(cfg))
     self.modulation = Modulation(cfg.cond_dim, cfg.embed_dim, 6, rngs=rngs) if cfg.time_conditioning else None
 
-  def __call__(self, x, positions, cond, *, causal: bool, mask=None):
-    return self.forward(x, positions, cond, causal=causal, mask=mask)[0]
+  def __call__(self, x, positions, cond, *, causal: bool, mask=None, noisy=None):
+    return self.forward(x, positions, cond, causal=causal, mask=mask, noisy=noisy)[0]
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], cond: Float[Array, "b c"] | None, *,
               causal: bool, mask: Bool[Array, "b #h l s"] | AttentionMask | None = None, cache: KVCache | None = None,
-              layer: int = 0) -> tuple[Float[Array, "b l d"], KVCache | None]:
-    """One pre-norm block; with `cache`, attention reads and extends layer `layer` of it."""
+              layer: int = 0, noisy: Bool[Array, "b l"] | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
+    """One pre-norm block; with `cache`, attention reads and extends layer `layer` of it.
+    `noisy`: the tokens the adapters act on (None: all, when the model has any)."""
     if self.modulation is None:
-      a, cache = self.attn.forward(self.attn_norm(x), positions, causal=causal, mask=mask, cache=cache, layer=layer)
+      a, cache = self.attn.forward(self.attn_norm(x), positions, causal=causal, mask=mask, cache=cache, layer=layer,
+                                   noisy=noisy)
       x = x + a
       x = constrain(x, ("batch", "length", "act_embed"))
-      x = x + self.mlp(self.mlp_norm(x))
+      x = x + self.mlp(self.mlp_norm(x), noisy=noisy)
     else:
       sh1, sc1, g1, sh2, sc2, g2 = (m.astype(x.dtype) for m in self.modulation(cond))
       h = self.attn_norm(x) * (1 + sc1) + sh1
@@ -131,13 +143,14 @@ class Transformer(nnx.Module):
     self.head = None if cfg.tie_embeddings else param(rngs, fan_in_init(cfg.embed_dim), *head_axes)
 
   def hidden_states(self, tokens: Int[Array, "b l"], t: Float[Array, "b"] | None = None,
-                    positions: Int[Array, "b l"] | None = None, mask=None):
-    """Final normalised hidden states [b, l, d] in the compute dtype."""
+                    positions: Int[Array, "b l"] | None = None, mask=None, noisy: Bool[Array, "b l"] | None = None):
+    """Final normalised hidden states [b, l, d] in the compute dtype; `noisy`:
+    the tokens adapters act on (None: all)."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return self._trunk(tokens, t, positions, causal=self.cfg.causal, mask=mask)[0]
+    return self._trunk(tokens, t, positions, causal=self.cfg.causal, mask=mask, noisy=noisy)[0]
 
-  def _trunk(self, tokens, t, positions, *, causal: bool, mask, cache: KVCache | None = None):
+  def _trunk(self, tokens, t, positions, *, causal: bool, mask, cache: KVCache | None = None, noisy=None):
     """Embedding, blocks and final norm: the one body of the full and the cached forward."""
     cfg = self.cfg
     dt = compute_dtype(cfg.dtype)
@@ -150,7 +163,7 @@ class Transformer(nnx.Module):
       cond = jax.nn.silu(self.time_embedding(t))
 
     def run_block(block, x):
-      return block(x, positions, cond, causal=causal, mask=mask)
+      return block(x, positions, cond, causal=causal, mask=mask, noisy=noisy)
 
     if cfg.remat:
       run_block = nnx.remat(run_block)
@@ -158,7 +171,7 @@ class Transformer(nnx.Module):
       if cache is None:
         x = run_block(block, x)
       else:  # inference only: nothing to rematerialise
-        x, cache = block.forward(x, positions, cond, causal=causal, mask=mask, cache=cache, layer=i)
+        x, cache = block.forward(x, positions, cond, causal=causal, mask=mask, cache=cache, layer=i, noisy=noisy)
     x = self.final_norm(x)
     if self.final_modulation is not None:
       shift, scale = (m.astype(x.dtype) for m in self.final_modulation(cond))
@@ -189,10 +202,18 @@ class Transformer(nnx.Module):
     b, n = tokens.shape
     if valid_new is None:
       valid_new = jnp.ones((b, n), jnp.bool_)
-    valid, mask = cache.attention_spec(valid_new, causal=self.cfg.causal, new_block=new_block)
-    # The cache layout is not "queries are the last keys": causality lives in the mask.
-    x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache)
     keep = n if commit_len is None else commit_len
+    noisy = None
+    if self.cfg.clean_causal or self.cfg.lora_rank:
+      # Tokens this pass keeps in the cache are clean; the rest are being denoised.
+      first_noisy = (n - new_block if new_block > 0 else (keep if commit else 0))
+      noisy = jnp.arange(n)[None] >= jnp.reshape(jnp.asarray(first_noisy, jnp.int32), (-1, 1))
+      noisy = jnp.broadcast_to(noisy, (b, n))
+    valid, mask = cache.attention_spec(valid_new, causal=self.cfg.causal, new_block=new_block,
+                                       clean=~noisy if self.cfg.clean_causal else None)
+    # The cache layout is not "queries are the last keys": causality lives in the mask.
+    x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache,
+                             noisy=noisy if self.cfg.lora_rank else None)
     out = x[:, n - new_block:] if new_block > 0 else x  # nobody reads the head's logits: skip its vocabulary matmul
     if self.cfg.shift_logits:
       # The state before the first scored token: the head's last kept token,
@@ -223,6 +244,11 @@ class Transformer(nnx.Module):
   def __call__(self, tokens, t=None, positions=None, mask=None) -> Float[Array, "b l v"]:
     hidden = self.hidden_states(tokens, t, positions, mask)
     return self.logits(shift_right(hidden) if self.cfg.shift_logits else hidden)
+
+
+def _lora(cfg: ModelConfig):
+  """(rank, scale) of the model's adapters, or None."""
+  return (cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank) if cfg.lora_rank > 0 else None
 
 
 def shift_right(hidden: Float[Array, "b l d"]) -> Float[Array, "b l d"]:

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from mdlm_jax import config as config_lib, data
-from mdlm_jax.checkpoints import checkpointer
+from mdlm_jax.checkpoints import checkpointer, registry
 from mdlm_jax.parallel import distributed, sharding
 from mdlm_jax.training import evaluation, flops
 from mdlm_jax.diffusion import objectives
@@ -58,6 +58,28 @@ def ema_decay_at(decay: float, step):
 class StepConfig:
   accum_steps: int
   ema_decay: float
+  adapters_only: bool = False  # train.trainable == "adapters": gradients for the adapters alone
+
+
+TRAINABLE = ("all", "adapters")
+
+
+def is_adapter(path) -> bool:
+  """A low-rank adapter's parameter (model.lora_rank): what `train.trainable="adapters"` trains."""
+  return any(str(getattr(k, "key", k)).startswith("lora_") for k in path)
+
+
+def partition(params, adapters_only: bool):
+  """(trained, frozen): two trees of `params`' structure, each None where the other holds the leaf."""
+  if not adapters_only:
+    return params, jax.tree.map(lambda _: None, params)
+  pick = lambda want: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, x: x if is_adapter(path) == want else None, params)
+  return pick(True), pick(False)
+
+
+def combine(trained, frozen):
+  return jax.tree.map(lambda a, b: b if a is None else a, trained, frozen, is_leaf=lambda x: x is None)
 
 
 def make_train_step(spec: ModelSpec, objective, optimizer, sc: StepConfig):
@@ -65,13 +87,14 @@ def make_train_step(spec: ModelSpec, objective, optimizer, sc: StepConfig):
   `batch` is the tokens [b, l], or {"tokens", "loss_mask"} for instruction
   tuning (data/chat.py)."""
 
-  def loss_sum(params, batch, key):
-    return objective(bind(spec, params), batch["tokens"], key, loss_mask=batch.get("loss_mask"))
+  def loss_sum(trained, frozen, batch, key):
+    return objective(bind(spec, combine(trained, frozen)), batch["tokens"], key, loss_mask=batch.get("loss_mask"))
 
-  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+  value_and_grad = jax.value_and_grad(loss_sum, has_aux=True)  # only the trained tree: frozen weights get no dW
 
   def step(weights, train, batch, key):
-    params = weights["params"]
+    params, frozen = partition(weights["params"], sc.adapters_only)
+    grad_fn = lambda p, b, k: value_and_grad(p, frozen, b, k)  # noqa: E731
     batch = batch if isinstance(batch, dict) else {"tokens": batch}
     key = jax.random.fold_in(key, train["step"])
     if sc.accum_steps == 1:
@@ -91,7 +114,7 @@ def make_train_step(spec: ModelSpec, objective, optimizer, sc: StepConfig):
           body, (zeros, jnp.zeros(()), jnp.zeros(())), (jnp.arange(sc.accum_steps), micro))
     grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = optimizer.update(grads, train["opt_state"], params)
-    params = optax.apply_updates(params, updates)
+    params = combine(optax.apply_updates(params, updates), frozen)
     new_weights = {"params": params}
     if "ema" in weights:
       d = ema_decay_at(sc.ema_decay, train["step"].astype(jnp.float32))
@@ -163,17 +186,27 @@ def load_init(config, mesh) -> LoadedModel | None:
   path = config.train.get("init_from", "")
   if not path:
     return None
-  if not os.path.exists(path):
+  if not os.path.exists(path) and path not in registry.MODELS:
     raise FileNotFoundError(f"config.train.init_from: no such checkpoint {path}")
   return checkpoints.load(path, mesh)
 
 
-def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str):
+def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str, fresh=None):
   """`init`'s parameters laid out as `spec`'s; the shapes must match exactly
-  (the causal flag and objective may differ: that is the point)."""
+  (the causal flag and objective may differ: that is the point). Adapters
+  (model.lora_rank) the init model lacks take their values from `fresh`,
+  the new model's initialisation (their up-projections start at zero, so
+  the adapted model starts as `init`)."""
   have = jax.tree_util.tree_flatten_with_path(init.params)[0]
   want = jax.tree_util.tree_flatten_with_path(spec.abstract)[0]
   have_shapes = {jax.tree_util.keystr(k): v.shape for k, v in have}
+  added = [k for k, _ in want if jax.tree_util.keystr(k) not in have_shapes and is_adapter(k)]
+  if added and fresh is not None:
+    have_by_name = {jax.tree_util.keystr(k): v for k, v in have}
+    fresh_by_name = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(fresh)[0]}
+    leaves = [have_by_name.get(jax.tree_util.keystr(k), fresh_by_name[jax.tree_util.keystr(k)]) for k, _ in want]
+    full = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec.abstract), leaves)
+    return init_from_weights(dataclasses.replace(init, params=full), spec, path)
   for k, v in want:
     name = jax.tree_util.keystr(k)
     if name not in have_shapes:
@@ -293,14 +326,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                   fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)),
                                   fim_level=config.data.get("fim_level", "document"))
   with jax.set_mesh(mesh):
-    params = init_params(spec, config.seed) if init is None else init_from_weights(init, spec, config.train.init_from)
+    params = init_params(spec, config.seed)
+    if init is not None:
+      params = init_from_weights(init, spec, config.train.init_from, fresh=params)
     if init is not None:
       log(f"initialised from {config.train.init_from} (step {init.step})")
       del init
     weights = {"params": params}
     if use_ema:
       weights["ema"] = jax.tree.map(jnp.copy, params)
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = jax.jit(optimizer.init)(partition(params, config.train.get("trainable", "all") == "adapters")[0])
     train_state = {"step": jnp.zeros((), jnp.int32), "opt_state": opt_state}
     if resumed_meta is not None:
       w_abs = checkpointer.abstract_like(weights)
@@ -314,7 +349,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     out_shardings = (jax.tree.map(lambda x: x.sharding, weights), jax.tree.map(lambda x: x.sharding, train_state),
                      None)
     step_fn = jax.jit(make_train_step(spec, objective, optimizer,
-                                      StepConfig(config.optim.grad_accum_steps, config.optim.ema_decay)),
+                                      StepConfig(config.optim.grad_accum_steps, config.optim.ema_decay,
+                                                 adapters_only=config.train.get("trainable", "all") == "adapters")),
                       out_shardings=out_shardings, donate_argnums=(0, 1))
     batch_sharding = sharding.batch_sharding(mesh)
     base_key = jax.random.PRNGKey(config.seed)

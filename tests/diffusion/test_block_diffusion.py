@@ -28,8 +28,9 @@ MASK_ID = TINY.vocab_size - 1
 # ------------------------------------------------------------- the mask
 
 
-def loop_mask(L, Lb):
-  """The four rules of the paper, one (i, j) pair at a time."""
+def loop_mask(L, Lb, clean_causal=False):
+  """The four rules of the paper, one (i, j) pair at a time; `clean_causal`: clean
+  token i reads clean tokens <= i (an AR model's prefix)."""
   m = np.zeros((2 * L, 2 * L), bool)
   for i in range(2 * L):
     for j in range(2 * L):
@@ -40,17 +41,18 @@ def loop_mask(L, Lb):
       elif not qi_clean and kj_clean:
         m[i, j] = bj < bi
       elif qi_clean and kj_clean:
-        m[i, j] = bj <= bi
+        m[i, j] = j <= i if clean_causal else bj <= bi
       else:
         m[i, j] = False
   return m
 
 
+@pytest.mark.parametrize("clean_causal", [False, True])
 @pytest.mark.parametrize("L,Lb", [(8, 1), (8, 2), (8, 4), (8, 8), (12, 3)])
-def test_mask_matches_loops(L, Lb):
-  m = bd.block_attention_mask(L, Lb)
+def test_mask_matches_loops(L, Lb, clean_causal):
+  m = bd.block_attention_mask(L, Lb, clean_causal=clean_causal)
   assert m.shape == (2 * L, 2 * L) and m.dtype == np.bool_
-  np.testing.assert_array_equal(m, loop_mask(L, Lb))
+  np.testing.assert_array_equal(m, loop_mask(L, Lb, clean_causal))
   assert not m[L:, :L].any()  # the clean half never sees noise
   for b in range(L // Lb):  # each noisy block sees all of itself
     s = slice(b * Lb, (b + 1) * Lb)
@@ -193,7 +195,7 @@ class Recorder:
     self.fixed_logits = jnp.asarray(logits)
     self.record, self.calls = record, []
 
-  def hidden_states(self, tokens, t=None, positions=None, mask=None):
+  def hidden_states(self, tokens, t=None, positions=None, mask=None, noisy=None):
     if self.record:
       self.calls.append(tuple(None if a is None else np.asarray(a) for a in (tokens, t, positions)) + (mask,))
     pad = jnp.zeros_like(self.fixed_logits)

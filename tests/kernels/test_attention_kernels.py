@@ -30,8 +30,8 @@ def make_mask(kind, rng, b, l, s):
     return AttentionMask()
   if kind == "causal":
     return AttentionMask(kind="causal")
-  if kind == "block_diffusion":
-    return AttentionMask(kind="block_diffusion", block_size=4)
+  if kind in ("block_diffusion", "block_diffusion_causal"):
+    return AttentionMask(kind=kind, block_size=4)
   if kind == "prefix":  # a KV cache: each query reads slots < q_end that are valid
     valid = rng.random((b, s)) < 0.8
     q_end = rng.integers(1, s + 1, size=(b, l))
@@ -91,6 +91,7 @@ CASES = [
     ("full", (2, 20, 20, 2, 2, 8)),
     ("causal", (1, 12, 37, 4, 2, 8)),  # queries are the last 12 of 37 keys (a KV-cache prefix)
     ("block_diffusion", (1, 24, 24, 2, 1, 8)),  # [x_t ; x_0], L = 12, blocks of 4
+    ("block_diffusion_causal", (1, 24, 24, 2, 1, 8)),  # the same with a token-causal clean half
     ("prefix", (2, 9, 40, 2, 2, 8)),
     ("segments", (2, 30, 30, 4, 2, 8)),
 ]
@@ -134,13 +135,13 @@ def test_rows_reading_nothing_are_zero():
   assert np.all(np.asarray(out)[0, 0] == 0.0) and np.isfinite(np.asarray(out)).all()
 
 
-@pytest.mark.parametrize("kind", ["causal", "block_diffusion"])
+@pytest.mark.parametrize("kind", ["causal", "block_diffusion", "block_diffusion_causal"])
 def test_tile_ranges_cover_every_allowed_tile(kind):
   """The loops' structural ranges are supersets of the tiles holding an allowed entry."""
   for l, s, bs in [(24, 24, 4), (12, 37, 1), (16, 16, 8)]:
-    if kind == "block_diffusion" and l != s:
+    if kind.startswith("block") and l != s:
       continue
-    mask = AttentionMask(kind=kind, block_size=bs if kind == "block_diffusion" else 0)
+    mask = AttentionMask(kind=kind, block_size=bs if kind.startswith("block") else 0)
     dense = np.asarray(mask.dense(l, s))[0, 0]
     for bq, bk in [(4, 8), (8, 4), (16, 16)]:
       nq, nk = -(-l // bq), -(-s // bk)
@@ -158,10 +159,12 @@ def test_tile_ranges_cover_every_allowed_tile(kind):
         assert not tiles[:lo, j].any() and not tiles[hi:, j].any(), (l, s, bq, bk, j)
 
 
-def test_block_diffusion_mask_equals_training_mask():
+@pytest.mark.parametrize("clean_causal", [False, True])
+def test_block_diffusion_mask_equals_training_mask(clean_causal):
+  kind = "block_diffusion_causal" if clean_causal else "block_diffusion"
   for l, bs in [(8, 2), (12, 4), (6, 6)]:
-    dense = np.asarray(AttentionMask(kind="block_diffusion", block_size=bs).dense(2 * l, 2 * l))[0, 0]
-    np.testing.assert_array_equal(dense, bd3.block_attention_mask(l, bs))
+    dense = np.asarray(AttentionMask(kind=kind, block_size=bs).dense(2 * l, 2 * l))[0, 0]
+    np.testing.assert_array_equal(dense, bd3.block_attention_mask(l, bs, clean_causal=clean_causal))
 
 
 def test_mask_validation():

@@ -226,3 +226,38 @@ def test_extend_context_fine_tunes_a_trained_model_at_a_longer_context(tiny_chec
   assert got.spec.cfg.rope_scaling == RopeScaling(type="yarn", factor=2.0, max_position=trained)
   with pytest.raises(ValueError, match="FACTOR"):
     module.get_config("tiny,0")
+
+
+def test_adapters_train_alone_over_a_frozen_base_and_ship_alone(tiny_checkpoints, tmp_path):
+  """An AR model adapted with train.trainable=adapters: every base weight stays the AR
+  model's bit for bit, the adapters move, and an adapters-only export (the adapters and
+  the base's name) loads back as the whole trained model."""
+  from mdlm_jax.checkpoints import params_only, safetensors
+  from tests.conftest import load_config
+  src = checkpoints.load(tiny_checkpoints["ar"])
+  c = load_config("tiny")
+  c.model.update(shift_logits=True, clean_causal=True, lora_rank=4)
+  c.diffusion.block_size = 4
+  c.train.update(num_steps=3, checkpoint_every=3, log_every=1, eval_batches=1, init_from=tiny_checkpoints["ar"],
+                 trainable="adapters")
+  c.optim.update(learning_rate=1e-2, warmup_steps=0, ema_decay=0.0)
+  trainer.train(c, str(tmp_path / "a2d"))
+  got = checkpoints.load(str(tmp_path / "a2d"))
+  named = params_only.flatten(got.params)
+  base = params_only.flatten(src.params)
+  assert set(base) < set(named) and all(params_only.is_adapter_name(k) for k in set(named) - set(base))
+  for k, v in base.items():
+    np.testing.assert_array_equal(np.asarray(named[k]), np.asarray(v), err_msg=k)
+  assert any(np.abs(np.asarray(v)).max() > 0 for k, v in named.items() if k.endswith(".b"))  # B starts at 0
+  out = tmp_path / "adaptation"
+  r = subprocess.run([sys.executable, "-m", "mdlm_jax.export", f"--checkpoint={tmp_path / 'a2d'}", f"--out={out}",
+                      "--adapters-only", "--dtype=float32"], capture_output=True, text=True, check=False)
+  assert r.returncode == 0, r.stderr
+  shipped, _ = safetensors.load_folder(str(out))
+  assert shipped and all(params_only.is_adapter_name(k) for k in shipped)
+  again = checkpoints.load(str(out))
+  for k, v in params_only.flatten(again.params).items():
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(named[k]), err_msg=k)
+  r = subprocess.run([sys.executable, "-m", "mdlm_jax.export", f"--checkpoint={tiny_checkpoints['mdlm']}",
+                      f"--out={tmp_path / 'no'}", "--adapters-only"], capture_output=True, text=True, check=False)
+  assert r.returncode == 2 and "--adapters-only exports a run that trained adapters" in r.stderr

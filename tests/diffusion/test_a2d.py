@@ -1,0 +1,94 @@
+"""An AR model adapted to block diffusion (A2D): a causal clean stream, a shifted head and
+adapters on the noisy stream only. The block's first token is the base's prediction, whatever
+the adapters hold; the KV-cached pass computes what the training pass computes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax.diffusion import bd3
+from mdlm_jax.model import ModelConfig
+from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.model.spec import bind, model_spec
+from mdlm_jax.training import trainer
+
+BASE = ModelConfig(vocab_size=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                   causal=True, tie_embeddings=True, scale_tied_logits=False)
+A2D = dataclasses.replace(BASE, causal=False, shift_logits=True, clean_causal=True, lora_rank=4)
+MASK = 47
+
+
+def random_params(cfg, seed):
+  """Every leaf random, the adapters' zero-initialised halves included (so they change the output)."""
+  rng = np.random.default_rng(seed)
+  spec = model_spec(cfg, None)
+
+  def leaf(path, x):
+    name = getattr(path[-1], "key", "")
+    scale = 0.3 if name in ("scale", "a", "b") else 1.0 if name == "embedding" else x.shape[0] ** -0.5
+    return jnp.asarray((1.0 if name == "scale" else 0.0) + scale * rng.normal(size=x.shape), jnp.float32)
+  return spec, jax.tree_util.tree_map_with_path(leaf, spec.abstract)
+
+
+def test_a_blocks_first_token_is_the_bases_prediction_whatever_the_adapters():
+  spec, params = random_params(A2D, seed=0)
+  base = {k: v for k, v in params.items() if k != "blocks"}
+  base["blocks"] = {i: {part: {n: w for n, w in p.items() if not n.startswith("lora_")} for part, p in blk.items()}
+                    for i, blk in params["blocks"].items()}
+  rng = np.random.default_rng(1)
+  x0 = jnp.asarray(rng.integers(0, MASK, (2, 12)))
+  xt = jnp.where(jnp.asarray(rng.random((2, 12)) < 0.6), MASK, x0)
+  block = 4
+  got = np.asarray(bd3.block_logits(bind(spec, params), xt, x0, block))
+  ar = np.asarray(bind(model_spec(BASE, None), base)(x0))  # ar[:, i] scores token i + 1
+  starts = np.arange(block, 12, block)
+  np.testing.assert_allclose(got[:, starts], ar[:, starts - 1], rtol=1e-5, atol=1e-5)
+  # Inside a block the adapters and the right context count.
+  assert np.abs(got[:, 1:block] - ar[:, :block - 1]).max() > 1e-2
+
+
+def test_the_cached_pass_computes_the_training_pass():
+  """Prefill the clean blocks before block j (no adapters, causal), then denoise block j:
+  its logits equal those of the one [x_t ; x_0] training pass."""
+  spec, params = random_params(A2D, seed=2)
+  model = bind(spec, params)
+  rng = np.random.default_rng(3)
+  l, block = 12, 4
+  x0 = jnp.asarray(rng.integers(0, MASK, (1, l)))
+  xt = jnp.where(jnp.asarray(rng.random((1, l)) < 0.5), MASK, x0)
+  want = np.asarray(bd3.block_logits(model, xt, x0, block))
+  pos = jnp.arange(l)[None]
+  for j in range(l // block):
+    cache = KVCache.init(A2D, 1, l)
+    lo, hi = j * block, (j + 1) * block
+    if lo:
+      _, cache = model.forward_cached(x0[:, :lo], pos[:, :lo], cache, commit=True)
+    got, _ = model.forward_cached(xt[:, lo:hi], pos[:, lo:hi], cache, commit=False)
+    if lo == 0:  # nothing before the first token: the training pass scores it from its own state
+      got, want_j = got[:, 1:], want[:, 1:hi]
+    else:
+      want_j = want[:, lo:hi]
+    np.testing.assert_allclose(np.asarray(got), want_j, rtol=1e-4, atol=1e-4)
+  # A head (the finished block, kept) and the next block in one pass: the same numbers.
+  cache = KVCache.init(A2D, 1, l)
+  _, cache = model.forward_cached(x0[:, :4], pos[:, :4], cache, commit=True)
+  got, _ = model.forward_cached(jnp.concatenate([x0[:, 4:8], xt[:, 8:12]], 1), pos[:, 4:12], cache, commit=True,
+                                commit_len=4, new_block=4)
+  np.testing.assert_allclose(np.asarray(got), want[:, 8:12], rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_only_steps_leave_the_base_untouched(tmp_path):
+  spec, params = random_params(A2D, seed=4)
+  trained, frozen = trainer.partition(params, adapters_only=True)
+  assert all(trainer.is_adapter(p) for p, _ in jax.tree_util.tree_flatten_with_path(trained)[0])
+  assert not any(trainer.is_adapter(p) for p, _ in jax.tree_util.tree_flatten_with_path(frozen)[0])
+  back = trainer.combine(trained, frozen)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  with pytest.raises(Exception, match="'adapters' needs model.lora_rank"):
+    from mdlm_jax import config as config_lib
+    c = config_lib.base_config()
+    c.train.trainable = "adapters"
+    config_lib.validate(c)
