@@ -61,7 +61,11 @@ class LoRA(nnx.Module):
 
 
 def _lora_delta(lora: "LoRA | None", x2d, dtype, noisy):
-  return 0.0 if lora is None else lora(x2d, dtype, None if noisy is None else noisy.reshape(-1, 1))
+  """The adapter's update of `x2d`'s rows: on all (noisy None), none (noisy False, a
+  clean-only pass skips the products) or the rows where `noisy` [b, l] is True."""
+  if lora is None or noisy is False:
+    return 0.0
+  return lora(x2d, dtype, None if noisy is None else noisy.reshape(-1, 1))
 
 
 class RMSNorm(nnx.Module):
@@ -153,7 +157,7 @@ class Attention(nnx.Module):
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
     q, k_, v = self._project_qkv(x2, (b, l))
-    if self.lora_q is not None:
+    if self.lora_q is not None and noisy is not False:
       q, k_, v = (y + _lora_delta(a, x2, dt, noisy).reshape(y.shape)
                   for y, a in ((q, self.lora_q), (k_, self.lora_k), (v, self.lora_v)))
     if self.q_norm is not None:

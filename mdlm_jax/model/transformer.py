@@ -145,7 +145,7 @@ class Transformer(nnx.Module):
   def hidden_states(self, tokens: Int[Array, "b l"], t: Float[Array, "b"] | None = None,
                     positions: Int[Array, "b l"] | None = None, mask=None, noisy: Bool[Array, "b l"] | None = None):
     """Final normalised hidden states [b, l, d] in the compute dtype; `noisy`:
-    the tokens adapters act on (None: all)."""
+    the tokens adapters act on ([b, l] bool; None: all; False: none)."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     return self._trunk(tokens, t, positions, causal=self.cfg.causal, mask=mask, noisy=noisy)[0]
