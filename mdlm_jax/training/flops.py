@@ -49,6 +49,22 @@ def block_diffusion_train_flops_per_token(cfg: ModelConfig, seq_len: int) -> flo
   return 3.0 * (2 * layers_flops_per_token(cfg, seq_len) + 2 * cfg.embed_dim * cfg.vocab_size)
 
 
+def adapter_train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Per data token of an adapted AR model's step (model.clean_causal, adapters
+  trained alone): the frozen clean stream runs forward only; the noisy stream
+  forward and backward, where the backward computes activation gradients
+  through every layer (one forward's worth) and weight gradients for the
+  adapters alone; the vocabulary head on the noisy stream."""
+  layers = layers_flops_per_token(cfg, seq_len)
+  head = 2 * cfg.embed_dim * cfg.vocab_size
+  n_mlp = 3 if cfg.mlp == "swiglu" else 2
+  d, hd, m = cfg.embed_dim, cfg.resolved_head_dim, cfg.mlp_dim
+  shapes = [(d, cfg.num_heads * hd), (d, cfg.resolved_kv_heads * hd), (d, cfg.resolved_kv_heads * hd),
+            (cfg.num_heads * hd, d)] + [(d, m)] * (n_mlp - 1) + [(m, d)]
+  adapters = cfg.num_layers * sum(2 * cfg.lora_rank * (i + o) for i, o in shapes)  # forward, noisy tokens
+  return layers + (layers + head + adapters) + (layers + head + 2 * adapters)
+
+
 def matmul_operands(n: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
   """Two random [n, n] matrices on the first local device only: under a mesh
   (`jax.set_mesh`) new arrays are replicated over all its devices, and every

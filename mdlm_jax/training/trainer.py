@@ -363,6 +363,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       """(tokens, FLOPs) of a step over rows of `length` (chat buckets make rows shorter)."""
       tokens = config.data.batch_size * length
       if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
+        if cfg.clean_causal and config.train.get("trainable", "all") == "adapters":
+          return tokens, flops.adapter_train_flops_per_token(cfg, length) * tokens
         return tokens, flops.block_diffusion_train_flops_per_token(cfg, length) * tokens
       return tokens, flops.train_flops_per_token(cfg, length) * tokens
 

@@ -3,6 +3,7 @@ shapes: every matmul weight of the layers costs 2 FLOPs per weight per token,
 the scores and the value mix 2 * 2 * keys * head_dim per head, the
 vocabulary head 2 * d * V."""
 
+import dataclasses
 import json
 import os
 
@@ -35,6 +36,22 @@ def test_flops_match_a_count_from_the_weights(kw):
   # BD3: the layers over both halves, each attending over one sequence's
   # length; the head on the noisy half only.
   assert flops.block_diffusion_train_flops_per_token(cfg, seq_len) == 3 * (2 * layers + head)
+
+
+def test_adapter_training_flops_count_the_frozen_base_once_forward():
+  """A2D with adapters alone: clean stream forward, noisy stream forward and backward
+  with activation gradients only, adapter weights counted from the model's own shapes."""
+  rng = np.random.default_rng()
+  cfg = ModelConfig(vocab_size=int(rng.integers(30, 90)), num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2,
+                    mlp_dim=48, lora_rank=int(rng.integers(1, 8)), clean_causal=True, shift_logits=True)
+  seq_len = int(rng.integers(8, 64))
+  leaves = jax.tree_util.tree_flatten_with_path(model_spec(cfg, None).abstract)[0]
+  adapter_weights = sum(int(np.prod(x.shape)) for path, x in leaves if "lora_" in jax.tree_util.keystr(path))
+  base = dataclasses.replace(cfg, lora_rank=0)
+  layers = 2 * _layer_matmul_weights(base) + cfg.num_layers * cfg.num_heads * 4 * seq_len * cfg.resolved_head_dim
+  head, adapters = 2 * cfg.embed_dim * cfg.vocab_size, 2 * adapter_weights
+  assert flops.adapter_train_flops_per_token(cfg, seq_len) == layers + (layers + head + adapters) + (
+      layers + head + 2 * adapters)
 
 
 def test_cpu_peak_keeps_the_best_measurement_per_machine(tmp_path):
