@@ -126,6 +126,7 @@ def main(argv=None):
     else:
       try:
         sampler = presets.for_model(a.effort, loaded.config.diffusion.get("block_size", 0), sampler=a.sampler,
+                                    in_order=loaded.spec.cfg.clean_causal,
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
                                     kv_cache=False if a.no_kv_cache else None, presence_penalty=a.presence_penalty,

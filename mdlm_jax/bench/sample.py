@@ -334,7 +334,8 @@ def main(argv):
     rows = {}
     for effort in a.efforts:
       sampler = presets.for_model(effort, block, presence_penalty=a.presence_penalty,  # what the effort means
-                                  frequency_penalty=a.frequency_penalty)  # everywhere
+                                  frequency_penalty=a.frequency_penalty,  # everywhere
+                                  in_order=mdlm.spec.cfg.clean_causal)
       timed = run_setting(dgen, prompts, batch, a.new_tokens, sampler, scorer, repeats=a.repeats)
       rows[effort] = {"sampler": repr(sampler), **timed}
       print(f"batch {batch} {effort}: {json.dumps(rows[effort])}", file=sys.stderr, flush=True)

@@ -483,7 +483,7 @@ class Engine:
 
   def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ThresholdSampler:
     """The decoding an effort means for this engine's model (`presets.for_model`)."""
-    return presets.for_model(effort, self.sc.block_size, **overrides)
+    return presets.for_model(effort, self.sc.block_size, in_order=self.loaded.spec.cfg.clean_causal, **overrides)
 
   @property
   def kv_cache_bytes(self) -> int:
@@ -939,7 +939,7 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   n = sc.num_slots
   out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides),
                              turn.logprobs], np.int32),
-         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 7), np.int32),
+         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 8), np.int32),
          "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
          "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
          "guide_tokens": np.zeros((n, sc.block_size), np.int32),
@@ -952,7 +952,8 @@ def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
     out["guide_tokens"][i, :len(tokens)] = tokens
     out["guide_allowed"][i] = allowed
   for i, (row, r, key, start, stop) in enumerate(turn.admits):
-    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids), start, stop)
+    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids), start, stop,
+                      int(r.sampler.in_order))
     out["floats"][i] = [getattr(r.sampler, f) for f in _SETTINGS]
     out["bias_ids"][i], out["bias"][i] = rule.bias_arrays(r.sampler.logit_bias)
     out["keys"][i] = key
@@ -967,10 +968,11 @@ def _decode(a: dict[str, np.ndarray], sc) -> Turn:
   stop, n_admits, rows, with_head, guided, n_guides, logprobs = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
-    row, plen, max_tokens, min_tokens, slen, start, end = (int(v) for v in a["ints"][i])
+    row, plen, max_tokens, min_tokens, slen, start, end, in_order = (int(v) for v in a["ints"][i])
     threshold, temperature, top_p, presence, frequency = (float(v) for v in a["floats"][i])
     bias = tuple((int(t), float(b)) for t, b in zip(a["bias_ids"][i], a["bias"][i]) if t != rule.NO_BIAS_ID)
     sampler = ThresholdSampler(block_size=sc.block_size, kv_cache=True, threshold=threshold, min_tokens=min_tokens,
+                               in_order=bool(in_order),
                                temperature=temperature, top_p=top_p, presence_penalty=presence,
                                frequency_penalty=frequency, logit_bias=bias)
     admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,

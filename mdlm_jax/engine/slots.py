@@ -217,7 +217,7 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
   top = _top_logprobs(logits, sc.never_proposed) if logprobs else None
   candidates = (tail == sc.mask_id) & moving[:, None]
-  picked = rule.commit(conf, candidates, d.threshold, d.min_tokens)
+  picked = rule.commit(conf, candidates, d.threshold, d.min_tokens, d.in_order)
   commit = picked & ~s.constrained[:, None] if guided else picked
   new_tail = jnp.where(commit, x0, tail)
   s = s.replace(cache=cache)

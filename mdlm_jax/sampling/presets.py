@@ -78,9 +78,23 @@ def adapt_to_model(sampler, model_block_size: int):
   return sampler
 
 
-def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, **overrides):
+PRESET_BLOCK = 8  # the block the presets' floors were chosen for (the packaged BD3 model's)
+
+
+def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, in_order: bool = False,
+              **overrides):
   """What `effort` (with any overrides) decodes with on a model whose BD3-LM
   block is `model_block_size` (0: trained on whole sequences). An explicit
-  `block_size` override wins over the model's."""
+  `block_size` override wins over the model's. `in_order` (an AR model
+  adapted to diffusion, model.clean_causal): the floor commits the leftmost
+  undecided tokens, the first of which its base predicts exactly, so no
+  effort decodes worse than the base's greedy text at temperature 0; the
+  floor keeps its share of the block (a block of 2 at `medium`: 1 token a
+  pass, plus the one after it when 90% sure)."""
   s = sampler_for(effort, sampler=sampler, **overrides)
-  return s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)
+  s = s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)
+  if in_order and isinstance(s, ThresholdSampler):
+    floor = s.min_tokens if overrides.get("min_tokens") is not None else max(
+        1, s.min_tokens * s.block_size // PRESET_BLOCK)
+    s = dataclasses.replace(s, in_order=True, min_tokens=floor)
+  return s

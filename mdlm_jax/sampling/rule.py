@@ -4,8 +4,10 @@
    temperature over its top-p nucleus; argmax at temperature 0) and its
    probability under the untempered p(x0), [MASK] excluded (SUBS);
 2. commit: every proposal at least `threshold` sure, and never fewer than
-   `min_tokens` (the most confident first). Fast-dLLM's rule is
-   (0.9, 1); LLaDA's low-confidence top-k is (never, k);
+   `min_tokens` (the most confident first, or with `in_order` the leftmost
+   first: an AR model adapted to diffusion always commits the position its
+   base predicts exactly). Fast-dLLM's rule is (0.9, 1); LLaDA's
+   low-confidence top-k is (never, k);
 3. constrain (rows under a grammar only): `allow` masks the logits at the
    row's first undecided column to what the grammar allows there, and the
    host commits the longest grammatical prefix (`sampling.grammar`).
@@ -51,6 +53,7 @@ class Decoding:
   traces it, and the engine keeps one row per slot)."""
   threshold: Float[Array, "b"]
   min_tokens: Int[Array, "b"]
+  in_order: Bool[Array, "b"]  # the floor's tokens are the leftmost undecided, not the most confident
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
   presence_penalty: Float[Array, "b"]
@@ -61,10 +64,11 @@ class Decoding:
   @classmethod
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                logit_bias: tuple[tuple[int, float], ...] = ()) -> "Decoding":
+                logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
     ids, values = bias_arrays(logit_bias)
-    return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(temperature, np.float32),
+    return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool),
+               full(temperature, np.float32),
                full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
 
@@ -181,11 +185,15 @@ def rank_desc(scores):
   return jnp.argsort(order, axis=-1, stable=True)
 
 
-def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold, min_tokens) -> Bool[Array, "b t"]:
+def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold, min_tokens,
+           in_order=False) -> Bool[Array, "b t"]:
   """Which candidates to commit: those at least `threshold` sure, and the
-  `min_tokens` most confident of each row ([B] arrays or scalars)."""
+  `min_tokens` most confident of each row, or with `in_order` its
+  `min_tokens` leftmost ([B] arrays or scalars)."""
   conf = jnp.where(candidates, conf, -1.0)
-  top = rank_desc(conf) < jnp.asarray(min_tokens)[..., None]
+  by_position = jnp.cumsum(candidates, axis=-1) - 1  # among the candidates, left to right
+  order = jnp.where(jnp.asarray(in_order)[..., None], by_position, rank_desc(conf))
+  top = order < jnp.asarray(min_tokens)[..., None]
   return candidates & ((conf >= jnp.asarray(threshold)[..., None]) | top)
 
 

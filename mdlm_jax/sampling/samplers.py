@@ -294,22 +294,24 @@ class LowConfidenceSampler(_ConfidenceBase):
       raise ValueError(f"steps must be >= 1, got {self.steps}")
 
   def _settings(self, candidates, step):
-    """(threshold, min_tokens) of the rule: the k most confident, k an even
+    """(threshold, min_tokens, in_order) of the rule: the k most confident, k an even
     split of what is left over the steps left, so each block ends after
     exactly `steps` steps (LLaDA's schedule, computed on the fly)."""
     n_left = jnp.sum(candidates, axis=-1)
     steps_left = self.steps - step
     k = jnp.where(steps_left > 0, -(-n_left // jnp.maximum(steps_left, 1)), n_left)
-    return rule.NEVER, k
+    return rule.NEVER, k, False
 
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdSampler(_ConfidenceBase):
   """Fast-dLLM: commit every proposal with p >= threshold, and always the
-  `min_tokens` most confident ones (Fast-dLLM's rule is min_tokens=1). A
-  floor above 1 bounds the passes per block at ceil(block / min_tokens)."""
+  `min_tokens` most confident ones (Fast-dLLM's rule is min_tokens=1), or
+  with `in_order` the `min_tokens` leftmost ones. A floor above 1 bounds the
+  passes per block at ceil(block / min_tokens)."""
   threshold: float = 0.9
   min_tokens: int = 1
+  in_order: bool = False
 
   def _rule_fields(self) -> dict:
     return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
@@ -319,11 +321,11 @@ class ThresholdSampler(_ConfidenceBase):
     return -(-min(size, lay.gen_len) // max(self.min_tokens, 1))
 
   def _settings(self, candidates, step):
-    return self.threshold, self.min_tokens
+    return self.threshold, self.min_tokens, self.in_order
 
   def decoding(self, rows: int) -> rule.Decoding:
     """The rule's settings for `rows` rows (a request's, in the engine)."""
-    return rule.Decoding.broadcast(rows, threshold=self.threshold, min_tokens=self.min_tokens,
+    return rule.Decoding.broadcast(rows, threshold=self.threshold, min_tokens=self.min_tokens, in_order=self.in_order,
                                    temperature=self.temperature, top_p=self.top_p,
                                    presence_penalty=self.presence_penalty,
                                    frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias)

@@ -23,8 +23,10 @@ tokenizers = pytest.importorskip("tokenizers")
 gguf = pytest.importorskip("gguf")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<jupyter_code>"]
-CODE = ["def f(x):\n    return x ** 2 + 12345\n", "class Queue:\n    def push(self, item):\n        self.items.append(item)\n",
-        "# héllo wörld 日本語 ✓ — emoji 🙂\nprint(f'{a!r:>10}')\n", "for i in range(10):\n\tif i % 3 == 0: continue\n"]
+CODE = ["def f(x):\n    return x ** 2 + 12345\n",
+        "class Queue:\n    def push(self, item):\n        self.items.append(item)\n",
+        "# héllo wörld 日本語 ✓ — emoji 🙂\nprint(f'{a!r:>10}')\n",
+        "for i in range(10):\n\tif i % 3 == 0: continue\n"]
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -75,8 +77,9 @@ def hf_model(family, vocab, seed):
 def save_folder(model, bpe, folder):
   model.save_pretrained(folder, safe_serialization=True)
   bpe.save(os.path.join(folder, "tokenizer.json"))
-  json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-             "chat_template": TEMPLATE, "add_bos_token": False}, open(os.path.join(folder, "tokenizer_config.json"), "w"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+            "chat_template": TEMPLATE, "add_bos_token": False}
+  json.dump(config, open(os.path.join(folder, "tokenizer_config.json"), "w"))
   return str(folder)
 
 

@@ -653,3 +653,32 @@ def test_an_autoregressive_checkpoint_decodes_as_its_ar_sampler(tiny_checkpoints
       assert done.text == want.text and done.finish_reason == want.finish_reason
   finally:
     e.close(deadline_s=1)
+
+
+def test_an_adapted_ar_model_decodes_in_the_engine_as_in_the_generator(tiny_checkpoints):
+  """A causal-clean model with adapters on its noisy rows (an AR model adapted to
+  diffusion), its adapters random: the engine's passes write the one-shot sampler's
+  tokens, efforts decoding in order."""
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  cfg = dataclasses.replace(ar.spec.cfg, causal=False, shift_logits=True, clean_causal=True, lora_rank=4)
+  spec = model_spec(cfg, None)
+  rng = np.random.default_rng(0)
+  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(ar.params)[0]}
+  leaves = [flat.get(jax.tree_util.keystr(k), 0.05 * rng.standard_normal(a.shape).astype(np.float32))
+            for k, a in jax.tree_util.tree_flatten_with_path(spec.abstract)[0]]
+  params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec.abstract),
+                                        [jax.numpy.asarray(x) for x in leaves])
+  config = ar.config.copy_and_resolve_references()
+  config.objective, config.diffusion.block_size = "mdlm", 2
+  adapted = dataclasses.replace(ar, spec=spec, params=params, config=config)
+  gen = Generator(adapted)
+  e = Engine(adapted, num_slots=2, max_prompt=32, max_new_tokens=16).start()
+  try:
+    for effort in ("medium", "instant"):
+      sampler = e.sampler_for(effort)
+      assert sampler.in_order and sampler.block_size == 2
+      h = e.submit(Request(e.encode(PROMPTS[0]), 12, sampler, seed=0))
+      want = gen.generate([PROMPTS[0]], max_new_tokens=12, seed=0, sampler=sampler).completions[0]
+      assert h.result(timeout=120).text == want.text
+  finally:
+    e.close(deadline_s=1)

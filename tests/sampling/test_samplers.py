@@ -306,3 +306,33 @@ def test_streaming_drafts_compile_once(generator):
   for i in range(3):
     drafts = [d for j, _, d in seen if j == i]
     assert drafts[0] == "\u2591" * 8 and "\u2591" not in drafts[-1]
+
+
+def test_in_order_floor_commits_the_leftmost_candidates():
+  """rule.commit with in_order: the floor is the leftmost undecided positions, not the
+  most confident; the threshold still adds any sure enough. Against a loop over rows."""
+  from mdlm_jax.sampling import rule
+  rng = np.random.default_rng()
+  conf = rng.random((6, 9)).astype(np.float32)
+  candidates = rng.random((6, 9)) < 0.6
+  threshold = rng.choice([0.5, 0.9, 1.0], size=6).astype(np.float32)
+  floor = rng.integers(1, 4, size=6)
+  in_order = rng.random(6) < 0.5
+  got = np.asarray(rule.commit(jnp.asarray(conf), jnp.asarray(candidates), jnp.asarray(threshold),
+                               jnp.asarray(floor), jnp.asarray(in_order)))
+  for r in range(6):
+    cols = np.flatnonzero(candidates[r])
+    ranked = cols if in_order[r] else cols[np.argsort(-conf[r, cols], kind="stable")]
+    want = np.zeros(9, bool)
+    want[ranked[:floor[r]]] = True
+    want |= candidates[r] & (conf[r] >= threshold[r])
+    np.testing.assert_array_equal(got[r], want, err_msg=str(r))
+
+
+def test_adapted_ar_models_decode_in_order_with_the_floors_share_of_the_block():
+  from mdlm_jax.sampling.presets import for_model
+  medium, instant = for_model("medium", 2, in_order=True), for_model("instant", 2, in_order=True)
+  assert (medium.block_size, medium.min_tokens, medium.in_order, medium.threshold) == (2, 1, True, 0.9)
+  assert (instant.min_tokens, instant.in_order) == (2, True)
+  assert for_model("high", 8, in_order=True).min_tokens == 2 and not for_model("high", 8).in_order
+  assert for_model("medium", 2, in_order=True, min_tokens=2).min_tokens == 2  # an explicit floor is kept
