@@ -120,14 +120,13 @@ def test_hf_folder_logits_generation_and_tokenizer_match_transformers(family, bp
   assert loaded.chat_template == TEMPLATE
 
 
-def test_hf_folder_converts_to_params_only_and_reloads_exactly(bpe, tmp_path):
+def test_hf_folder_converts_to_params_only_and_reloads_exactly(bpe, tmp_path, capsys):
+  from mdlm_jax import export
   model = hf_model("qwen3", bpe.get_vocab_size(), seed=3)
   folder = save_folder(model, bpe, tmp_path / "q3")
   out = tmp_path / "native"
-  r = subprocess.run([sys.executable, "-m", "mdlm_jax.export", "--import", f"--checkpoint={folder}", f"--out={out}"],
-                     capture_output=True, text=True, check=False)
-  assert r.returncode == 0, r.stderr
-  assert "float32" in r.stdout
+  export.main(["--import", f"--checkpoint={folder}", f"--out={out}"])
+  assert "float32" in capsys.readouterr().out
   a, b = checkpoints.load(folder), checkpoints.load(str(out))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, bpe.get_vocab_size(), (1, 12)))
   np.testing.assert_array_equal(np.asarray(a.model(tokens)), np.asarray(b.model(tokens)))
@@ -300,9 +299,8 @@ def test_gguf_samples_and_converts_through_the_cli(bpe, tmp_path):
   assert r.returncode == 0, r.stderr
   assert json.loads(r.stdout)["forward_passes"] >= 1
   out = tmp_path / "native"
-  r = subprocess.run([sys.executable, "-m", "mdlm_jax.export", "--import", f"--checkpoint={path}", f"--out={out}"],
-                     capture_output=True, text=True, check=False)
-  assert r.returncode == 0, r.stderr
+  from mdlm_jax import export
+  export.main(["--import", f"--checkpoint={path}", f"--out={out}"])
   a, b = checkpoints.load(path), checkpoints.load(str(out))
   ids = jnp.arange(10)[None]
   np.testing.assert_array_equal(np.asarray(a.model(ids)), np.asarray(b.model(ids)))
@@ -345,9 +343,10 @@ def test_gguf_errors_name_the_problem(bpe, tmp_path):
                      capture_output=True, text=True, check=False)
   assert r.returncode == 2 and "truncated" in r.stderr and "Traceback" not in r.stderr
   out = tmp_path / "never"
-  r = subprocess.run([sys.executable, "-m", "mdlm_jax.export", "--import", f"--checkpoint={cut}", f"--out={out}"],
-                     capture_output=True, text=True, check=False)
-  assert r.returncode == 2 and not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
+  from mdlm_jax import export
+  with pytest.raises(InteropError, match="truncated"):
+    export._import(export.parse(["--import", f"--checkpoint={cut}", f"--out={out}"]), 2**30)
+  assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
 
 
 def test_a_gguf_model_is_served_with_its_chat_template(bpe, tmp_path):

@@ -94,13 +94,11 @@ def test_adapter_only_steps_leave_the_base_untouched(tmp_path):
     config_lib.validate(c)
 
 
-def test_the_two_pass_training_logits_equal_the_joint_pass_and_its_gradients():
-  """The adapted model's training pass (clean stream alone under stop_gradient, then the
-  noisy stream over its cache) gives the logits of one pass over [x_t ; x_0] with the
-  causal-clean block mask, and the same adapter gradients."""
+def _two_pass_and_joint(seed):
+  """(params, x_t, x_0, the two-pass logits function, the one-pass logits function) of a random adapted model."""
   from mdlm_jax import kernels
-  spec, params = random_params(A2D, seed=5)
-  rng = np.random.default_rng(6)
+  spec, params = random_params(A2D, seed=seed)
+  rng = np.random.default_rng(seed + 1)
   x0 = jnp.asarray(rng.integers(0, MASK, (2, 12)))
   xt = jnp.where(jnp.asarray(rng.random((2, 12)) < 0.5), MASK, x0)
 
@@ -112,8 +110,20 @@ def test_the_two_pass_training_logits_equal_the_joint_pass_and_its_gradients():
     hidden = model.hidden_states(tokens, None, positions, mask, noisy=jnp.broadcast_to(jnp.arange(24) < 12, (2, 24)))
     return model.logits(bd3.shifted_noisy_states(hidden, 4))
 
-  two = lambda p: bd3.block_logits(bind(spec, p), xt, x0, 4)  # noqa: E731
+  return params, (lambda p: bd3.block_logits(bind(spec, p), xt, x0, 4)), joint
+
+
+def test_the_two_pass_training_logits_equal_the_joint_pass():
+  """The adapted model's training pass (clean stream alone under stop_gradient, then the
+  noisy stream over its cache) gives the logits of one pass over [x_t ; x_0] with the
+  causal-clean block mask."""
+  params, two, joint = _two_pass_and_joint(5)
   np.testing.assert_allclose(np.asarray(two(params)), np.asarray(joint(params)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # compiles two gradients (about 12 s on 2 cores)
+def test_the_two_pass_adapter_gradients_equal_the_joint_pass():
+  params, two, joint = _two_pass_and_joint(7)
   trained, frozen = trainer.partition(params, adapters_only=True)
   loss = lambda f: lambda t: jnp.sum(jax.nn.log_softmax(f(trainer.combine(t, frozen)))[..., 3])  # noqa: E731
   g2, gj = jax.grad(loss(two))(trained), jax.grad(loss(joint))(trained)

@@ -250,15 +250,13 @@ def test_adapters_train_alone_over_a_frozen_base_and_ship_alone(tiny_checkpoints
     np.testing.assert_array_equal(np.asarray(named[k]), np.asarray(v), err_msg=k)
   assert any(np.abs(np.asarray(v)).max() > 0 for k, v in named.items() if k.endswith(".b"))  # B starts at 0
   out = tmp_path / "adaptation"
-  r = subprocess.run([sys.executable, "-m", "mdlm_jax.export", f"--checkpoint={tmp_path / 'a2d'}", f"--out={out}",
-                      "--adapters-only", "--dtype=float32"], capture_output=True, text=True, check=False)
-  assert r.returncode == 0, r.stderr
+  from mdlm_jax import export
+  export.main([f"--checkpoint={tmp_path / 'a2d'}", f"--out={out}", "--adapters-only", "--dtype=float32"])
   shipped, _ = safetensors.load_folder(str(out))
   assert shipped and all(params_only.is_adapter_name(k) for k in shipped)
   again = checkpoints.load(str(out))
   for k, v in params_only.flatten(again.params).items():
     np.testing.assert_array_equal(np.asarray(v), np.asarray(named[k]), err_msg=k)
-  from mdlm_jax import export
   with pytest.raises(ValueError, match="--adapters-only exports a run that trained adapters"):
     export._export(export.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'no'}",
                                  "--adapters-only"]), 2**30)
