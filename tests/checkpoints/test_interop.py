@@ -256,6 +256,7 @@ def _torch_logits(fmt, folder, tokens):
   return out.logits.float().numpy()
 
 
+@pytest.mark.slow  # torch forward of each layout; Llama/Qwen imports are checked against transformers in CI
 @pytest.mark.parametrize("fmt", interop.FORMATS)
 def test_logits_match_transformers(fmt, tok, tmp_path):
   pytest.importorskip("torch")
@@ -348,6 +349,7 @@ def test_hf_tokenizer_matches_tokenizers(hf_tok, hf_json):
     hf_tok.decode([HF_ROWS])
 
 
+@pytest.mark.slow  # two CLI processes; the folder tokenizer is checked in CI by the tests around it
 def test_published_llada_folder_loads_samples_and_imports(hf_tok, hf_json, tmp_path):
   """checkpoints.load reads a tokenizer.json folder; the sample CLI runs on it; --import gives a native
   folder (tokenizer.json + ids in config.json) with identical params and tokenizer; export writes it back."""

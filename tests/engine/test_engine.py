@@ -656,6 +656,7 @@ def test_an_autoregressive_checkpoint_decodes_as_its_ar_sampler(tiny_checkpoints
     e.close(deadline_s=1)
 
 
+@pytest.mark.slow  # CI: tests/diffusion/test_a2d.py checks the cached pass, tests/sampling the in-order rule
 def test_an_adapted_ar_model_decodes_in_the_engine_as_in_the_generator(tiny_checkpoints):
   """A causal-clean model with adapters on its noisy rows (an AR model adapted to
   diffusion), its adapters random: the engine's passes write the one-shot sampler's
