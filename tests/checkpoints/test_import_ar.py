@@ -292,6 +292,7 @@ def test_gguf_tokenizer_is_the_one_its_metadata_was_written_from(bpe, tmp_path):
       1, 2, 2, "<jupyter_code>", False)
 
 
+@pytest.mark.slow  # a CLI process; CI converts a folder in process and serves a GGUF model
 def test_gguf_samples_and_converts_through_the_cli(bpe, tmp_path):
   path = write_gguf(tmp_path / "m.gguf", hf_model("llama", bpe.get_vocab_size(), seed=4), bpe)
   r = subprocess.run([sys.executable, "-m", "mdlm_jax.sample", f"--checkpoint={path}", "--chat", "--prompt=hi",
@@ -349,6 +350,7 @@ def test_gguf_errors_name_the_problem(bpe, tmp_path):
   assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
 
 
+@pytest.mark.slow  # a server process; CI runs tests/engine's AR checkpoint test
 def test_a_gguf_model_is_served_with_its_chat_template(bpe, tmp_path):
   """serve --checkpoint=FILE.gguf: a chat answer equals the AR generator's greedy continuation of the
   prompt its template renders, streamed or not."""

@@ -633,7 +633,6 @@ def test_a_reused_slot_hides_the_last_requests_keys(loaded):
     e.close(deadline_s=1)
 
 
-@pytest.mark.slow  # in CI, tests/checkpoints/test_import_ar.py serves a GGUF model against its AR generator
 def test_an_autoregressive_checkpoint_decodes_as_its_ar_sampler(tiny_checkpoints):
   """An AR checkpoint in the engine (blocks of one token, its head read shifted) writes
   exactly the KV-cached AR sampler's greedy tokens, requests sharing passes."""
