@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from mdlm_jax import config as config_lib, data
-from mdlm_jax.checkpoints import checkpointer, registry
+from mdlm_jax.checkpoints import checkpointer, params_only, registry
 from mdlm_jax.parallel import distributed, sharding
 from mdlm_jax.training import evaluation, flops
 from mdlm_jax.diffusion import objectives
@@ -66,7 +66,7 @@ TRAINABLE = ("all", "adapters")
 
 def is_adapter(path) -> bool:
   """A low-rank adapter's parameter (model.lora_rank): what `train.trainable="adapters"` trains."""
-  return any(str(getattr(k, "key", k)).startswith("lora_") for k in path)
+  return params_only.is_adapter_name(".".join(str(getattr(k, "key", k)) for k in path))
 
 
 def partition(params, adapters_only: bool):
