@@ -8,9 +8,15 @@ clean context (prompt, committed blocks) is computed causally by the base
 exactly as it computed it, the head is read shifted (state i - 1 scores token
 i), so every block's first token is the base's own prediction; low-rank
 adapters on every linear layer act on the block being denoised only and learn
-the tokens after it. Block-size curriculum (A2D.md): run with block_size=2,
-then continue from that run with --config.diffusion.block_size=4
---config.train.init_from=runs/a2d_smollm2 in a new workdir.
+the tokens after it. Half of each masked token's loss is the KL to the base's
+own next-token distribution (diffusion.distill_weight): every token teaches
+the whole vocabulary, which matters when tokens are few.
+
+Block-size curriculum (A2D.md): stage 1 runs blocks of 2 (this file); stage 2
+continues from it with blocks of 4 in a new workdir:
+
+  python -m mdlm_jax.train --config=configs/a2d_smollm2.py --workdir=runs/a2d_smollm2_b4 \
+      --config.diffusion.block_size=4 --config.train.init_from=runs/a2d_smollm2
 
 SmolLM2 has no [MASK]: the mask is the borrowed special token <empty_output>
 (id 16, see docs/export.md), and its embedding row stays the base's.
@@ -29,8 +35,9 @@ def get_config():
   c.train.trainable = "adapters"
   c.diffusion.block_size = 2
   # Clipped mask rates (BD3-LM): no t near 0, where the 1/t weight makes gradients noisy.
-  c.diffusion.update(train_t_min=0.3, train_t_max=0.8)
-  c.data.update(corpus="stdlib", seq_len=256, batch_size=8)
+  c.diffusion.update(train_t_min=0.3, train_t_max=0.8, distill_weight=0.5)
+  # SmolLM2's ChatML with tool calls (checkpoints/chat_template.py): what exports write beside the adapters.
+  c.data.update(corpus="stdlib", seq_len=256, batch_size=8, chat_template="smollm2")
   c.optim.update(learning_rate=5e-4, warmup_steps=50, weight_decay=0.0, ema_decay=0.999)
   c.train.update(num_steps=4000, eval_every=250, eval_batches=4, log_every=10, checkpoint_every=100)
   return c

@@ -80,6 +80,10 @@ def base_config() -> ml_collections.ConfigDict:
   d.train_t_max = 1.0
   # > 0: block diffusion (BD3-LM) with blocks of this many tokens; 0: plain MDLM.
   d.block_size = 0
+  # Training an adapted AR model (model.clean_causal): weight in [0, 1] of the
+  # KL to the clean stream's own next-token distribution (the frozen base's
+  # when only adapters train) against the masked-token NELBO. Not in the bound.
+  d.distill_weight = 0.0
 
   c.data = dt = ml_collections.ConfigDict()
   dt.corpus = "stdlib"  # "stdlib", a folder, a glob of text files, or a .jsonl file.
@@ -108,8 +112,8 @@ def base_config() -> ml_collections.ConfigDict:
   # text in a packed row is cut after packing, so every example fits in a
   # row (for documents longer than seq_len, as source files mostly are).
   dt.fim_level = "document"
-  # The chat template the model is trained for ("" none, or "chatml": see
-  # checkpoints/chat_template.py); exports write it beside the weights.
+  # The chat template the model is trained for ("" none, or a name in
+  # checkpoints/chat_template.BUILT_IN); exports write it beside the weights.
   dt.chat_template = ""
   # "text": documents packed into rows (pretraining); "chat": instruction
   # tuning on conversations (data/chat.py), data.corpus a folder with
@@ -266,6 +270,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "model.clean_causal", "an adapted AR model is a block-diffusion model (diffusion.block_size > 0) with a"
            " shifted head (model.shift_logits=True)")
 
+  lam = d.get("distill_weight", 0.0)
+  _check(0.0 <= lam <= 1.0, "diffusion.distill_weight", f"must be in [0, 1], got {lam}")
+  _check(not lam or m.get("clean_causal", False), "diffusion.distill_weight",
+         "distillation reads the AR model's clean stream: it needs model.clean_causal=True")
+
   dt = c.data
   _check(isinstance(dt.corpus, str) and dt.corpus, "data.corpus", "must be 'stdlib' or a path")
   _check(0 < dt.validation_fraction < 1, "data.validation_fraction", f"must be in (0, 1), got {dt.validation_fraction}")
@@ -294,8 +303,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"each bucket must be in [8, seq_len={dt.seq_len}), got {buckets}")
     _check(not bs or all(b % bs == 0 for b in buckets), "data.length_buckets",
            f"each bucket must be a multiple of diffusion.block_size={bs}, got {buckets}")
-  _check(dt.get("chat_template", "") in ("", "chatml"), "data.chat_template",
-         f"must be '' or 'chatml', got {dt.get('chat_template')!r}")
+  from mdlm_jax.checkpoints.chat_template import BUILT_IN  # pylint: disable=import-outside-toplevel
+  _check(dt.get("chat_template", "") in ("", *BUILT_IN), "data.chat_template",
+         f"must be '' or one of {sorted(BUILT_IN)}, got {dt.get('chat_template')!r}")
   for name in ("fim_rate", "fim_spm_rate"):
     v = dt.get(name, 0.0)
     _check(isinstance(v, (int, float)) and 0 <= v <= 1, f"data.{name}", f"must be in [0, 1], got {v!r}")

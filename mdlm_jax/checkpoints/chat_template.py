@@ -13,6 +13,7 @@ tokens (`bos_token`, `eos_token`, ...), like theirs.
 tools listed in the system turn as JSON, and tool calls as JSON inside
 <tool_call> tags (the format of Qwen-based diffusion models such as Dream and
 DiffuCoder), tool results inside <tool_response> tags in a user turn.
+`SMOLLM2` is the same with SmolLM2-Instruct's default system prompt.
 """
 
 from __future__ import annotations
@@ -71,6 +72,28 @@ CHATML = """\
 {%- endif %}
 """
 
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def _with_default_system(template: str, system: str) -> str:
+  """A ChatML template that opens with `system` when the conversation has no
+  system turn of its own (with tools too), as SmolLM2-Instruct's does."""
+  tools_head = "    {{- messages[0].content + '\\n\\n' }}\n  {%- endif %}"
+  plain_head = "  {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n{%- endif %}"
+  for head in (tools_head, plain_head):
+    if template.count(head) != 1:
+      raise AssertionError(f"the ChatML template changed: {head!r} not found once")
+  out = template.replace(tools_head, tools_head[:-len("{%- endif %}")]
+                         + "{%- else %}\n    {{- default_system + '\\n\\n' }}\n  {%- endif %}")
+  out = out.replace(plain_head, plain_head[:-len("{%- endif %}")]
+                    + "{%- else %}\n  {{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}\n{%- endif %}")
+  return "{%- set default_system = " + json.dumps(system) + " %}\n" + out
+
+
+# SmolLM2-Instruct's own ChatML (its default system prompt) with CHATML's tools and tool calls:
+# the template of the packaged default, SmolLM2-135M-Instruct adapted to block diffusion.
+SMOLLM2 = _with_default_system(CHATML, SMOLLM2_SYSTEM)
+
 TURN_END = "<|im_end|>"  # where a ChatML assistant turn ends: a stop string for decoding
 
 
@@ -128,7 +151,7 @@ def render(template: str, messages: Sequence[dict], *, tools: Sequence[dict] | N
     raise ValueError(f"chat template: {e}") from None
 
 
-BUILT_IN = {"chatml": CHATML}
+BUILT_IN = {"chatml": CHATML, "smollm2": SMOLLM2}
 
 
 def named(name: str) -> str | None:

@@ -99,7 +99,7 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   # Structural, so a kernel builds it per tile; equal to `block_attention_mask`.
   kv_valid = None if valid is None else jnp.concatenate([valid, valid], axis=1)
   if model.cfg.clean_causal and valid is None:
-    return _adapted_block_logits(model, xt, x0, block_size)
+    return adapted_block_logits(model, xt, x0, block_size)
   kind = "block_diffusion_causal" if model.cfg.clean_causal else "block_diffusion"
   mask = kernels.AttentionMask(kind=kind, block_size=block_size, kv_valid=kv_valid)
   noisy = jnp.broadcast_to(jnp.arange(2 * l) < l, (b, 2 * l)) if model.cfg.lora_rank else None
@@ -110,13 +110,20 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   return model.logits(shifted_noisy_states(hidden, block_size))
 
 
-def _adapted_block_logits(model, xt, x0, block_size: int):
+def adapted_block_logits(model, xt, x0, block_size: int, with_teacher: bool = False):
   """`block_logits` of an adapted AR model (model.clean_causal) in two passes: the
   clean stream alone, causal and without adapters, under stop_gradient (so no
   backward runs through it), its keys and values kept as a KV cache; then the
   noisy stream over that cache, block b reading clean blocks < b and itself.
   The same numbers as the one [x_t ; x_0] pass, at about three quarters of its
-  training cost."""
+  training cost.
+
+  `with_teacher` also returns the clean stream's own next-token logits
+  (state i - 1 scores token i; row 0 scores nothing and is a copy of row 1):
+  p(x_i | x_<i) of the AR model the clean stream computes, which with frozen
+  weights and adapters gated to the noisy stream is the base itself. They are
+  the soft targets of distillation, and come at the cost of one extra
+  vocabulary projection."""
   from mdlm_jax.model.kv_cache import KVCache
   b, l = xt.shape
   count_blocks(l, block_size)
@@ -133,8 +140,14 @@ def _adapted_block_logits(model, xt, x0, block_size: int):
   noisy_states, _ = model._trunk(xt, None, positions, causal=False, mask=jnp.asarray(reads)[None, None],  # pylint: disable=protected-access
                                  cache=cache, noisy=noisy)
   if not model.cfg.shift_logits:
+    if with_teacher:
+      raise ValueError("distillation reads the clean stream's next-token logits: it needs model.shift_logits")
     return model.logits(noisy_states)
-  return model.logits(shifted_noisy_states(jnp.concatenate([noisy_states, clean_states], axis=1), block_size))
+  logits = model.logits(shifted_noisy_states(jnp.concatenate([noisy_states, clean_states], axis=1), block_size))
+  if not with_teacher:
+    return logits
+  teacher = model.logits(jnp.concatenate([clean_states[:, :1], clean_states[:, :-1]], axis=1))
+  return logits, jax.lax.stop_gradient(teacher)
 
 
 def shifted_noisy_states(hidden: Float[Array, "b l2 d"], block_size: int) -> Float[Array, "b l d"]:
@@ -147,6 +160,18 @@ def shifted_noisy_states(hidden: Float[Array, "b l2 d"], block_size: int) -> Flo
   prev_clean = jnp.concatenate([noisy[:, :1], clean[:, :-1]], axis=1)
   starts = (np.arange(l) % block_size == 0)[None, :, None]
   return jnp.where(starts, prev_clean, prev_noisy)
+
+
+def soft_target_kl(logits: Float[Array, "b l v"], teacher: Float[Array, "b l v"], mask_id: int) -> Float[Array, "b l"]:
+  """KL(teacher || student) per position in nats, both without [MASK] (as the
+  NELBO zeroes it; an AR vocabulary's borrowed mask token may carry teacher
+  mass), from logits in float32.
+
+  Its gradient is the soft-target cross-entropy's; unlike the cross-entropy
+  it is 0 when the student matches, so it can be logged as a distance."""
+  log_q = jax.nn.log_softmax(logits.astype(jnp.float32).at[..., mask_id].set(diffusion.NEG_INF), axis=-1)
+  log_p = jax.nn.log_softmax(teacher.astype(jnp.float32).at[..., mask_id].set(diffusion.NEG_INF), axis=-1)
+  return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
 
 
 def block_nelbo_per_token(logits: Float[Array, "b l v"], x0: Int[Array, "b l"], masked: Bool[Array, "b l"],

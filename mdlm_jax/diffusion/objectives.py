@@ -62,15 +62,25 @@ class BD3Objective(MDLMObjective):
   A subclass of MDLMObjective because it is the same kind of quantity, a
   NELBO bound averaged over random times and masks: evaluation treats both
   alike (time_samples, `bound`). The model is never time-conditioned, since
-  its conditioning takes one t per sequence."""
+  its conditioning takes one t per sequence.
+
+  `distill_weight` lam > 0 (training an adapted AR model only): each masked
+  token's term becomes w(t) * ((1 - lam) * -log p(x_0) + lam * KL(p_AR || p)),
+  with p_AR the clean stream's own next-token distribution. Its expectation
+  over the data is minimised by the AR model's marginal given what the block
+  shows, as the NELBO's is by the data's, and each token supervises the
+  whole vocabulary instead of one id: dense targets when tokens are few."""
 
   block_size: int = dataclasses.field(kw_only=True)
+  distill_weight: float = dataclasses.field(default=0.0, kw_only=True)
 
   def __post_init__(self):
     if self.block_size <= 0:
       raise ValueError(f"block_size must be positive, got {self.block_size}")
     if self.time_conditioning:
       raise ValueError("block diffusion has one t per block; the model's conditioning takes one per sequence")
+    if not 0.0 <= self.distill_weight <= 1.0:
+      raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
 
   def per_token(self, model, tokens, key, t=None, valid=None, loss_mask=None) -> jax.Array:
     """Each token's NELBO term [b, l]; `t` [b, L / block_size] overrides the
@@ -83,8 +93,17 @@ class BD3Objective(MDLMObjective):
                                              sampling_eps=self.sampling_eps, t_max=self.t_max)
     xt, masked = _only(bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id), tokens, loss_mask,
                        self.mask_id)
-    logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
-    return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+    if not self.distill_weight:
+      logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
+      return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+    if valid is not None or not model.cfg.clean_causal:
+      raise ValueError("distillation trains an adapted AR model (model.clean_causal) on full rows")
+    logits, teacher = bd3.adapted_block_logits(model, xt, tokens, self.block_size, with_teacher=True)
+    nelbo = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+    weight = jnp.repeat(self.schedule.weight(t), self.block_size, axis=1, total_repeat_length=l)
+    scored = masked & (jnp.arange(l) > 0)[None, :]  # nothing predicts token 0
+    kl = jnp.where(scored, weight * bd3.soft_target_kl(logits, teacher, self.mask_id), 0.0)
+    return (1.0 - self.distill_weight) * nelbo + self.distill_weight * kl
 
   def fixed_times(self, batch: int, length: int, u: float) -> jax.Array:
     return jnp.full((batch, bd3.count_blocks(length, self.block_size)), u, jnp.float32)
@@ -140,7 +159,8 @@ def from_config(config, mask_id: int, training: bool = False):
   if block_size > 0:
     return BD3Objective(
         schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id), antithetic=bool(d.antithetic),
-        sampling_eps=lo, t_max=hi, block_size=block_size)
+        sampling_eps=lo, t_max=hi, block_size=block_size,
+        distill_weight=float(d.get("distill_weight", 0.0)) if training else 0.0)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),

@@ -28,7 +28,7 @@ GQA = dict(num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=48, 
 
 @pytest.fixture(scope="module")
 def tok():
-  return Tokenizer.from_file(os.path.join(packaged.path(), "tokenizer.model"))
+  return Tokenizer.from_file(os.path.join(packaged.path(packaged.DIFFUSION), "tokenizer.model"))
 
 
 def make(tok, seed=0, **model):
@@ -341,7 +341,7 @@ def test_hf_tokenizer_matches_tokenizers(hf_tok, hf_json):
     assert hf_tok.decode([1, *ids, 2, HF_ROWS - 1, 0]) == text
   for other in (tokenizer_lib.load_bytes(hf_tok.to_bytes()), pickle.loads(pickle.dumps(hf_tok))):
     assert isinstance(other, HFTokenizer) and other.to_bytes() == hf_tok.to_bytes()
-  sp = Tokenizer.from_file(os.path.join(packaged.path(), "tokenizer.model"))
+  sp = Tokenizer.from_file(os.path.join(packaged.path(packaged.DIFFUSION), "tokenizer.model"))
   assert isinstance(tokenizer_lib.load_bytes(sp.to_bytes()), Tokenizer)
   with pytest.raises(ValueError, match="holds a Hugging Face tokenizer.json"):
     Tokenizer.from_bytes(hf_tok.to_bytes())

