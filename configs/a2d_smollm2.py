@@ -36,7 +36,7 @@ def get_config():
   c.diffusion.block_size = 2
   # Clipped mask rates (BD3-LM): no t near 0, where the 1/t weight makes gradients noisy.
   c.diffusion.update(train_t_min=0.3, train_t_max=0.8, distill_weight=0.5)
-  # SmolLM2's ChatML with tool calls (checkpoints/chat_template.py): what exports write beside the adapters.
+  # SmolLM2's ChatML with tool calls (data/chat_template.py): what exports write beside the adapters.
   c.data.update(corpus="stdlib", seq_len=256, batch_size=8, chat_template="smollm2")
   c.optim.update(learning_rate=5e-4, warmup_steps=50, weight_decay=0.0, ema_decay=0.999)
   c.train.update(num_steps=4000, eval_every=250, eval_batches=4, log_every=10, checkpoint_every=100)

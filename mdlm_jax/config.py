@@ -12,7 +12,9 @@ import dataclasses
 
 import ml_collections
 
+from mdlm_jax import kernels
 from mdlm_jax.model.rope import RopeScaling
+from mdlm_jax.parallel import sharding
 
 SCHEDULES = ("loglinear", "linear", "cosine")
 OBJECTIVES = ("mdlm", "ar")
@@ -20,8 +22,8 @@ MLPS = ("swiglu", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
 # "pallas": fused kernels on GPU/TPU, the XLA reference elsewhere; "pallas_interpret":
 # the kernels under the Pallas interpreter on any backend (tests only: slow).
-ATTENTION = ("xla", "pallas", "pallas_interpret", "reference")
-SHARDING_RULES = ("fsdp", "fsdp_tp")  # tables in mdlm_jax/sharding.py
+ATTENTION = kernels.ATTENTION_IMPLEMENTATIONS
+SHARDING_RULES = tuple(sharding.RULES)  # the tables in mdlm_jax/parallel/sharding.py
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 
@@ -113,7 +115,7 @@ def base_config() -> ml_collections.ConfigDict:
   # row (for documents longer than seq_len, as source files mostly are).
   dt.fim_level = "document"
   # The chat template the model is trained for ("" none, or a name in
-  # checkpoints/chat_template.BUILT_IN); exports write it beside the weights.
+  # data/chat_template.BUILT_IN); exports write it beside the weights.
   dt.chat_template = ""
   # "text": documents packed into rows (pretraining); "chat": instruction
   # tuning on conversations (data/chat.py), data.corpus a folder with
@@ -209,6 +211,20 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
   return module.get_config()
 
 
+def complete(saved) -> ml_collections.ConfigDict:
+  """A config read back (a checkpoint's, an export's) merged over
+  `base_config()`: a field it lacks was added after it was written, and it
+  trained with that field's default. Every reader can then name any field.
+  Fields this version does not know are kept."""
+  def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+      out[k] = merge(base[k], v) if isinstance(base.get(k), dict) and isinstance(v, dict) else v
+    return out
+  saved = saved.to_dict() if isinstance(saved, ml_collections.ConfigDict) else dict(saved)
+  return ml_collections.ConfigDict(merge(base_config().to_dict(), saved))
+
+
 class ConfigError(ValueError):
   """A config value that cannot work; the message names the field."""
 
@@ -230,7 +246,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"{m.embed_dim} is not divisible by model.num_heads={m.num_heads}")
   else:
     _check(m.head_dim > 0, "model.head_dim", f"must be -1 or positive, got {m.head_dim}")
-  kvh = m.get("num_kv_heads", -1)
+  kvh = m.num_kv_heads
   _check(kvh == -1 or (isinstance(kvh, int) and kvh > 0 and m.num_heads % kvh == 0), "model.num_kv_heads",
          f"must be -1 or a positive divisor of model.num_heads={m.num_heads}, got {kvh!r}")
   hd = m.head_dim if m.head_dim != -1 else m.embed_dim // m.num_heads
@@ -245,7 +261,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f"config.model.rope_scaling: {e}") from None
   if c.objective == "ar":
     _check(m.causal, "model.causal", "objective 'ar' needs a causal model (set model.causal=True)")
-    _check(not m.get("shift_logits", False), "model.shift_logits", "an AR model already scores the next token")
+    _check(not m.shift_logits, "model.shift_logits", "an AR model already scores the next token")
     _check(not m.time_conditioning, "model.time_conditioning", "an AR model has no diffusion time")
   else:
     _check(not m.causal, "model.causal", "objective 'mdlm' needs a bidirectional model (model.causal=False)")
@@ -254,25 +270,25 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(d.schedule in SCHEDULES, "diffusion.schedule", f"must be one of {SCHEDULES}, got {d.schedule!r}")
   _check(0 < d.eps < 1, "diffusion.eps", f"must be in (0, 1), got {d.eps}")
   _check(0 <= d.sampling_eps < 1, "diffusion.sampling_eps", f"must be in [0, 1), got {d.sampling_eps}")
-  lo, hi = d.get("train_t_min", 0.0), d.get("train_t_max", 1.0)
+  lo, hi = d.train_t_min, d.train_t_max
   _check(0 < hi <= 1, "diffusion.train_t_max", f"must be in (0, 1], got {hi}")
   _check(0 <= lo < hi and d.sampling_eps < hi, "diffusion.train_t_min",
          f"must be >= 0 and below train_t_max={hi} (and sampling_eps={d.sampling_eps} below it too), got {lo}")
 
-  rank = m.get("lora_rank", 0)
+  rank = m.lora_rank
   _check(isinstance(rank, int) and rank >= 0, "model.lora_rank", f"must be an int >= 0, got {rank!r}")
-  _check(m.get("lora_alpha", 16.0) > 0, "model.lora_alpha", f"must be positive, got {m.get('lora_alpha')}")
-  trainable = c.train.get("trainable", "all")
+  _check(m.lora_alpha > 0, "model.lora_alpha", f"must be positive, got {m.lora_alpha}")
+  trainable = c.train.trainable
   _check(trainable in ("all", "adapters"), "train.trainable", f"must be 'all' or 'adapters', got {trainable!r}")
   _check(trainable == "all" or rank > 0, "train.trainable", "'adapters' needs model.lora_rank > 0")
-  if m.get("clean_causal", False):
-    _check(c.objective == "mdlm" and d.get("block_size", 0) > 0 and m.get("shift_logits", False),
+  if m.clean_causal:
+    _check(c.objective == "mdlm" and d.block_size > 0 and m.shift_logits,
            "model.clean_causal", "an adapted AR model is a block-diffusion model (diffusion.block_size > 0) with a"
            " shifted head (model.shift_logits=True)")
 
-  lam = d.get("distill_weight", 0.0)
+  lam = d.distill_weight
   _check(0.0 <= lam <= 1.0, "diffusion.distill_weight", f"must be in [0, 1], got {lam}")
-  _check(not lam or m.get("clean_causal", False), "diffusion.distill_weight",
+  _check(not lam or m.clean_causal, "diffusion.distill_weight",
          "distillation reads the AR model's clean stream: it needs model.clean_causal=True")
 
   dt = c.data
@@ -280,7 +296,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(0 < dt.validation_fraction < 1, "data.validation_fraction", f"must be in (0, 1), got {dt.validation_fraction}")
   _check(dt.seq_len >= 8, "data.seq_len", f"must be >= 8, got {dt.seq_len}")
   _check(dt.batch_size > 0, "data.batch_size", f"must be positive, got {dt.batch_size}")
-  bs = d.get("block_size", 0)
+  bs = d.block_size
   _check(isinstance(bs, int) and bs >= 0, "diffusion.block_size", f"must be an int >= 0 (0 = plain MDLM), got {bs!r}")
   if bs > 0:
     _check(c.objective != "ar", "diffusion.block_size", "block diffusion is a diffusion objective; set it to 0 for 'ar'")
@@ -288,28 +304,28 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "block diffusion samples one t per block but the model is conditioned on one t per sequence;"
            " set model.time_conditioning=False")
     _check(dt.seq_len % bs == 0, "diffusion.block_size", f"{bs} does not divide data.seq_len={dt.seq_len}")
-  _check(dt.get("kind", "text") in ("text", "chat"), "data.kind", f"must be 'text' or 'chat', got {dt.get('kind')!r}")
-  if dt.get("kind", "text") == "chat":
-    _check(dt.get("chat_template", ""), "data.chat_template", "a chat run renders its conversations with a template:"
+  _check(dt.kind in ("text", "chat"), "data.kind", f"must be 'text' or 'chat', got {dt.kind!r}")
+  if dt.kind == "chat":
+    _check(dt.chat_template, "data.chat_template", "a chat run renders its conversations with a template:"
            " set it to 'chatml'")
   try:
-    buckets = parse_buckets(dt.get("length_buckets", ""))
+    buckets = parse_buckets(dt.length_buckets)
   except ValueError as e:
     raise ConfigError(f"config.data.{e}") from None
   if buckets:
-    _check(dt.get("kind", "text") == "chat", "data.length_buckets",
+    _check(dt.kind == "chat", "data.length_buckets",
            "only chat runs have rows of their own lengths (text runs pack every row full)")
     _check(all(8 <= b < dt.seq_len for b in buckets), "data.length_buckets",
            f"each bucket must be in [8, seq_len={dt.seq_len}), got {buckets}")
     _check(not bs or all(b % bs == 0 for b in buckets), "data.length_buckets",
            f"each bucket must be a multiple of diffusion.block_size={bs}, got {buckets}")
-  from mdlm_jax.checkpoints.chat_template import BUILT_IN  # pylint: disable=import-outside-toplevel
-  _check(dt.get("chat_template", "") in ("", *BUILT_IN), "data.chat_template",
-         f"must be '' or one of {sorted(BUILT_IN)}, got {dt.get('chat_template')!r}")
+  from mdlm_jax.data.chat_template import BUILT_IN  # pylint: disable=import-outside-toplevel
+  _check(dt.chat_template in ("", *BUILT_IN), "data.chat_template",
+         f"must be '' or one of {sorted(BUILT_IN)}, got {dt.chat_template!r}")
   for name in ("fim_rate", "fim_spm_rate"):
     v = dt.get(name, 0.0)
     _check(isinstance(v, (int, float)) and 0 <= v <= 1, f"data.{name}", f"must be in [0, 1], got {v!r}")
-  _check(dt.get("fim_level", "document") in ("document", "context"), "data.fim_level",
+  _check(dt.fim_level in ("document", "context"), "data.fim_level",
          f"must be 'document' or 'context', got {dt.get('fim_level')!r}")
   _check(dt.tokenizer_vocab_size >= 300, "data.tokenizer_vocab_size",
          f"must be >= 300 (256 byte pieces + specials + merges), got {dt.tokenizer_vocab_size}")
@@ -335,11 +351,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     v = c.mesh.get(ax, 1)
     _check(v == -1 or v >= 1, f"mesh.{ax}", f"must be -1 or a positive int, got {v}")
   _check(sum(c.mesh.get(a, 1) == -1 for a in MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
-  seq = c.mesh.get("sequence", 1)
+  seq = c.mesh.sequence
   _check(seq == -1 or dt.seq_len % seq == 0, "mesh.sequence",
          f"must divide data.seq_len={dt.seq_len}, got {seq}")
   _check(dt.num_shards >= 0, "data.num_shards", f"must be >= 0 (0 = one per process), got {dt.num_shards}")
-  rules = c.get("sharding", {}).get("rules", "fsdp_tp")
+  rules = c.sharding.rules
   _check(rules in SHARDING_RULES, "sharding.rules", f"must be one of {SHARDING_RULES}, got {rules!r}")
   if rules == "fsdp":
     _check(c.mesh.tensor == 1, "mesh.tensor",

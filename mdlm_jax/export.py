@@ -60,7 +60,7 @@ def _import(a, max_shard: int) -> tuple[str, int]:
   from mdlm_jax.model.spec import model_spec
   from mdlm_jax.model import ModelConfig
   from mdlm_jax.checkpoints import gguf_file
-  from mdlm_jax.checkpoints import chat_template
+  from mdlm_jax.data import chat_template
   if not os.path.exists(a.checkpoint):
     raise FileNotFoundError(f"--checkpoint {a.checkpoint} does not exist")
   if gguf_file.is_gguf(a.checkpoint):
@@ -108,8 +108,8 @@ def _export(a, max_shard: int) -> tuple[str, int]:
     return out, loaded.step
   base = None
   if a.adapters_only:
-    base = loaded.config.train.get("init_from", "")
-    if not base or loaded.config.train.get("trainable", "all") != "adapters":
+    base = loaded.config.train.init_from
+    if not base or loaded.config.train.trainable != "adapters":
       raise ValueError("--adapters-only exports a run that trained adapters alone (train.trainable=adapters) over"
                        " a train.init_from base")
   out = params_only.save(a.out, loaded.params, loaded.config, loaded.tokenizer, step=loaded.step,

@@ -198,7 +198,7 @@ class MDLMJaxLM(LM):
     """The engine, rebuilt larger when a request outgrows it."""
     from mdlm_jax.engine.engine import Engine
     from mdlm_jax.sampling import presets
-    bs = presets.block_size_for(self.loaded.config.diffusion.get("block_size", 0))
+    bs = presets.block_size_for(self.loaded.config.diffusion.block_size)
     new = -(-max(max_tokens, self.max_gen_toks) // bs) * bs
     e = self._engine
     if e is None or e.sc.max_prompt < max_prompt or e.sc.max_new_tokens < new:

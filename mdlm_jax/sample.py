@@ -125,7 +125,7 @@ def main(argv=None):
                           frequency_penalty=a.frequency_penalty or 0.0, logit_bias=a.logit_bias)
     else:
       try:
-        sampler = presets.for_model(a.effort, loaded.config.diffusion.get("block_size", 0), sampler=a.sampler,
+        sampler = presets.for_model(a.effort, loaded.config.diffusion.block_size, sampler=a.sampler,
                                     in_order=loaded.spec.cfg.clean_causal,
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,

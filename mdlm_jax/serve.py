@@ -128,7 +128,7 @@ def build(a):
   path = a.checkpoint or packaged.path()
   loaded = checkpoints.load(path, mesh=mesh)
   from mdlm_jax.sampling import presets
-  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+  bs = presets.block_size_for(loaded.config.diffusion.block_size)
   max_tokens = -(-a.max_tokens // bs) * bs
   slots = a.slots or 8
   if a.kv_cache_memory is not None:

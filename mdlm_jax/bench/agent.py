@@ -97,7 +97,7 @@ def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> 
   from mdlm_jax.sampling import presets
   from mdlm_jax.sampling import grammar
   from mdlm_jax.sampling.grammar import Grammar
-  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+  bs = presets.block_size_for(loaded.config.diffusion.block_size)
   n = len(TASKS) * a.seeds
   engine = Engine(loaded, num_slots=1, max_prompt=64, max_new_tokens=-(-a.max_tokens // bs) * bs,
                   grammar_policy=grammar.ACCEPT_POLICIES[0] if mode == "unconstrained" else mode)
@@ -151,7 +151,7 @@ def pass_times(loaded, a) -> dict:
   import numpy as np
   from mdlm_jax.engine.engine import Engine
   from mdlm_jax.sampling import presets
-  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+  bs = presets.block_size_for(loaded.config.diffusion.block_size)
   engine = Engine(loaded, num_slots=1, max_prompt=64, max_new_tokens=-(-a.max_tokens // bs) * bs)
   times = {kind: {f"with_head={h}": [] for h in (False, True)} for kind in ("plain", "guided")}
   for _ in range(a.pass_repeats):

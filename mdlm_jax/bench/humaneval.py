@@ -205,7 +205,7 @@ class EngineBackend:
                max_new_tokens: int = 256):
     from mdlm_jax.engine.engine import Engine
     from mdlm_jax.sampling import presets
-    bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+    bs = presets.block_size_for(loaded.config.diffusion.block_size)
     self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt,
                          max_new_tokens=-(-max_new_tokens // bs) * bs, max_queue=1 << 20).start()
     self.sampler = self.engine.sampler_for(effort, temperature=temperature)

@@ -114,7 +114,7 @@ def beside(loaded, chunk: int, a) -> dict:
   shorts = [[tok.bos_id] + rng.choice(ordinary, a.short_tokens - 1).tolist() for _ in range(a.short_requests)]
   long = [tok.bos_id] + rng.choice(ordinary, a.beside_length - 1).tolist()
   from mdlm_jax.sampling import presets
-  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+  bs = presets.block_size_for(loaded.config.diffusion.block_size)
   e = Engine(loaded, num_slots=a.short_requests + 1, max_prompt=a.beside_length,
              max_new_tokens=-(-a.short_tokens // bs) * bs, prefill_chunk=chunk)
   smp = e.sampler_for(a.effort)

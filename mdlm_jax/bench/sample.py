@@ -198,11 +198,16 @@ def run_setting(gen, prompts, batch, new_tokens, sampler, scorer, repeats: int =
           "repeated_line_rate": lines.rate, "forward_passes_mean": passes / len(batches)}
 
 
-def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1) -> dict:
-  """~100M parameters, random weights, batch 1: diffusion committing exactly
-  4 tokens per pass (KV-cached blocks) against KV-cached AR decoding."""
+MEMORY_BOUND_SHAPE = dict(vocab_size=32000, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=2048)
+
+
+def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1, shape: dict | None = None) -> dict:
+  """~100M parameters (`shape`: ModelConfig fields), random weights, batch 1:
+  diffusion committing exactly 4 tokens per pass (KV-cached blocks) against
+  KV-cached AR decoding."""
   import jax
   import ml_collections
+  from mdlm_jax import config as config_lib
   from mdlm_jax.parallel import sharding
   from mdlm_jax.checkpoints.loading import LoadedModel
   from mdlm_jax.model.spec import init_params, model_spec
@@ -210,9 +215,13 @@ def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1) ->
   from mdlm_jax.sampling.ar import ARSampler
   from mdlm_jax.sampling.generate import ARGenerator, Generator
   from mdlm_jax.sampling.samplers import LowConfidenceSampler
+  dims = shape or MEMORY_BOUND_SHAPE
 
   class Tok:  # ids only; no text is decoded for speed runs
-    vocab_size, mask_id, bos_id, eos_id, pad_id = 32000, 4, 1, 2, 3
+    vocab_size, mask_id, bos_id, eos_id, pad_id, unk_id, adds_bos = dims["vocab_size"], 4, 1, 2, 3, 0, True
+
+    def piece_id(self, piece):
+      raise ValueError(f"no piece {piece!r}")
 
     def encode(self, text):
       return [5 + (ord(ch) % 1000) for ch in text]
@@ -229,9 +238,11 @@ def memory_bound_shape(new_tokens: int, prompt_tokens: int, repeats: int = 1) ->
               "diffusion_block4_1step": LowConfidenceSampler(steps=1, block_size=4, kv_cache=True)}
   out = {}
   for causal in (False, True):
-    cfg = ModelConfig(vocab_size=32000, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=2048, causal=causal)
+    cfg = ModelConfig(**dims, causal=causal)
     spec = model_spec(cfg, mesh)
-    loaded = LoadedModel(spec, init_params(spec, 0), Tok(), ml_collections.ConfigDict(), 0, False)
+    config = config_lib.base_config()  # a complete config, as every loaded model has
+    config.objective = "ar" if causal else "mdlm"
+    loaded = LoadedModel(spec, init_params(spec, 0), Tok(), config, 0, False)
     n_params = sum(x.size for x in jax.tree.leaves(loaded.params))
     ar = ARSampler(new_tokens, temperature=0.0)
     runs = {f"ar_{layout}": (ARGenerator(loaded, weight_layout=layout), ar) for layout in WEIGHT_LAYOUTS} if causal \
@@ -324,7 +335,7 @@ def main(argv):
   scorer = GenPPL(ar)
   dgen = Generator(mdlm)
   agens = {layout: ARGenerator(ar, weight_layout=layout) for layout in WEIGHT_LAYOUTS}
-  block = mdlm.config.diffusion.get("block_size", 0)
+  block = mdlm.config.diffusion.block_size
   result = {"bench": "sample", "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "num_prompts": len(prompts), "repeats": a.repeats, "mdlm_step": mdlm.step, "ar_step": ar.step,
             "presence_penalty": a.presence_penalty, "frequency_penalty": a.frequency_penalty,

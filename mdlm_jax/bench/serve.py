@@ -101,7 +101,7 @@ def main(argv):
     prompts = validation_prompts(loaded, 8, a.prompt_tokens)
   except cli.USER_ERRORS as e:
     cli.fail("bench serve", e)
-  bs = presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+  bs = presets.block_size_for(loaded.config.diffusion.block_size)
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=a.slots, max_prompt=2 * a.prompt_tokens + 16, max_new_tokens=max_new,
                   max_queue=max(4 * max(a.concurrency) * a.requests_per_client, 2 * a.fim_requests),

@@ -22,6 +22,8 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from mdlm_jax import config as config_lib
+
 ITEMS = ("weights", "train", "data", "meta")
 
 
@@ -48,7 +50,7 @@ def meta_tokenizer_bytes(meta: dict) -> bytes:
 
 
 def meta_config(meta: dict) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(meta["config"])
+  return config_lib.complete(meta["config"])
 
 
 class Checkpointer:

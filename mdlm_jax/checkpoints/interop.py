@@ -39,7 +39,8 @@ import numpy as np
 from jaxtyping import Float
 
 from mdlm_jax import config as config_lib
-from mdlm_jax.checkpoints import chat_template, families, params_only, safetensors
+from mdlm_jax.checkpoints import families, params_only, safetensors
+from mdlm_jax.data import chat_template
 from mdlm_jax.model import ModelConfig
 from mdlm_jax.model.rope import RopeScaling
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
@@ -311,14 +312,12 @@ def convert(fmt: str, hf: dict, tensors: dict[str, np.ndarray], tok: Tokenizer |
   family = families.FAMILIES[fmt]
   fields, head_is_embedding = _model_fields(fmt, hf, tensors, source)
   native = hf.get("mdlm_jax") if isinstance(hf.get("mdlm_jax"), dict) else {}
-  config = config_lib.base_config()
-  if isinstance(native.get("config"), dict):
-    config.update(ml_collections.ConfigDict(native["config"]))
-  else:
+  config = config_lib.complete(native["config"] if isinstance(native.get("config"), dict) else {})
+  if not isinstance(native.get("config"), dict):
     config.data.seq_len = int(hf.get("max_sequence_length") or hf.get("max_position_embeddings") or 4096)
   if family.causal:
     config.objective = "ar"
-  drop_bias = fmt == "dream" and fields["qkv_bias"] and config.model.get("qkv_bias", True) is False
+  drop_bias = fmt == "dream" and fields["qkv_bias"] and config.model.qkv_bias is False
   config.model.update(fields)
   try:
     config_lib.validate(config)

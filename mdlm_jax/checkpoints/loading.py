@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
+from mdlm_jax import config as config_lib
 from mdlm_jax.checkpoints import checkpointer, params_only
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.data.tokenizer import Tokenizer, load_bytes as load_tokenizer_bytes
@@ -31,7 +32,7 @@ class LoadedModel:
   config: ml_collections.ConfigDict
   step: int
   has_ema: bool
-  # The Jinja chat template (checkpoints.chat_template), when the checkpoint has one.
+  # The Jinja chat template (data.chat_template), when the checkpoint has one.
   chat_template: str | None = None
 
   @property
@@ -50,7 +51,7 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   path = registry.resolve(path)
   if mesh is None:
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  from mdlm_jax.checkpoints import chat_template
+  from mdlm_jax.data import chat_template
   if params_only.is_params_dir(path):
     loaded = _load_params_only(path, mesh)
     return dataclasses.replace(loaded, chat_template=chat_template.from_folder(path) or _base_template(loaded.config))
@@ -73,12 +74,12 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   state = checkpointer.restore_weights(root, step, target)
   params = state["ema"] if want_ema else state["params"]
   return LoadedModel(spec, params, tokenizer, config, step, bool(meta.get("has_ema", False)),
-                     chat_template.named(config.data.get("chat_template", "")) or _base_template(config))
+                     chat_template.named(config.data.chat_template) or _base_template(config))
 
 
 def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
   meta, tokenizer, named = params_only.read(path)
-  config = ml_collections.ConfigDict(meta["config"])
+  config = config_lib.complete(meta["config"])
   if meta.get("base"):  # an adaptation: its adapters over a base's weights
     named = {**_base_weights(meta["base"], path), **named}
   return _place(path, config, tokenizer, named, int(meta.get("step", 0)), mesh)
@@ -87,9 +88,10 @@ def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
 def _base_template(config: ml_collections.ConfigDict) -> str | None:
   """The chat template of the model a run started from (train.init_from), when
   it has one: an AR model adapted to diffusion keeps its base's chat format."""
-  from mdlm_jax.checkpoints import chat_template, gguf_file, registry
-  base = config.train.get("init_from", "") if "train" in config else ""
-  if not base or config.data.get("chat_template", ""):
+  from mdlm_jax.checkpoints import gguf_file, registry
+  from mdlm_jax.data import chat_template
+  base = config.train.init_from
+  if not base or config.data.chat_template:
     return None
   if base in registry.MODELS:
     if not registry.is_cached(base):

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from mdlm_jax.checkpoints import chat_template
+from mdlm_jax.data import chat_template
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,6 +93,6 @@ class FIMFormat:
 
 def format_for(config, tokenizer) -> FIMFormat | None:
   """The FIM format of a checkpoint trained with `data.fim_rate > 0`, else None."""
-  if config is None or float(config.data.get("fim_rate", 0.0)) <= 0:
+  if config is None or float(config.data.fim_rate) <= 0:
     return None
   return FIMFormat.of(tokenizer)

@@ -4,7 +4,7 @@
 
 Three kinds of example, as jsonl records. Two are conversations,
 `{"messages": [...], "tools": [...]}`, that the chat template
-(`checkpoints.chat_template`) renders:
+(`data.chat_template`) renders:
 - write: the user gives a function's signature and docstring, or says in
   words what it does and what it is called (`REQUESTS`), and the assistant
   answers with the whole function (the docstring-to-body task HumanEval asks);

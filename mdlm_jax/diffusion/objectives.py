@@ -154,13 +154,13 @@ def from_config(config, mask_id: int, training: bool = False):
   d = config.diffusion
   lo, hi = float(d.sampling_eps), 1.0
   if training:
-    lo, hi = max(lo, float(d.get("train_t_min", 0.0))), float(d.get("train_t_max", 1.0))
-  block_size = int(d.get("block_size", 0))  # configs saved before block diffusion lack the field
+    lo, hi = max(lo, float(d.train_t_min)), float(d.train_t_max)
+  block_size = int(d.block_size)
   if block_size > 0:
     return BD3Objective(
         schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id), antithetic=bool(d.antithetic),
         sampling_eps=lo, t_max=hi, block_size=block_size,
-        distill_weight=float(d.get("distill_weight", 0.0)) if training else 0.0)
+        distill_weight=float(d.distill_weight) if training else 0.0)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),

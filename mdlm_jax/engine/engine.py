@@ -242,7 +242,7 @@ class Engine:
                          f" {block_size}")
       loaded, bs = next_token_view(loaded), 1
     else:
-      bs = block_size or presets.block_size_for(loaded.config.diffusion.get("block_size", 0))
+      bs = block_size or presets.block_size_for(loaded.config.diffusion.block_size)
     if max_new_tokens % bs:
       raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of the block size ({bs})")
     if mesh is not None and num_slots % (mesh.shape["data"] * mesh.shape["fsdp"]):

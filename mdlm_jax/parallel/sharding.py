@@ -67,7 +67,7 @@ DEFAULT_RULES = FSDP_TP_RULES  # with tensor=1 it is plain FSDP (or plain data p
 
 def rules_of(config) -> tuple:
   """The rules table a config names (config.sharding.rules; "fsdp_tp" when absent)."""
-  name = config.get("sharding", {}).get("rules", "fsdp_tp")
+  name = config.sharding.rules
   if name not in RULES:
     raise ValueError(f"config.sharding.rules must be one of {sorted(RULES)}, got {name!r}")
   return RULES[name]

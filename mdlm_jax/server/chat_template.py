@@ -1,6 +1,6 @@
 """Turns chat messages into the prompt the model continues.
 
-A checkpoint with a chat template (`checkpoints.chat_template`: its own
+A checkpoint with a chat template (`data.chat_template`: its own
 Jinja template, or the packaged models' ChatML) is rendered with it, and the
 answer ends at EOS or at the template's end-of-turn marker. A checkpoint
 without one gets plain text: an optional system preamble, then the turns
@@ -10,7 +10,7 @@ or at the next user label.
 
 from __future__ import annotations
 
-from mdlm_jax.checkpoints import chat_template
+from mdlm_jax.data import chat_template
 
 USER, ASSISTANT = "User:", "Assistant:"
 TURN_STOP = "\n" + USER

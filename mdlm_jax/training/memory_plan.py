@@ -208,7 +208,7 @@ def plan_one(config, mesh_sizes: dict, *, batch: int, accum: int, rules: str, pl
   vocab = config.model.vocab_size if config.model.vocab_size > 0 else config.data.tokenizer_vocab_size
   cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
   seq_len = config.data.seq_len
-  if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
+  if config.diffusion.block_size and config.objective == "mdlm":
     seq_len *= 2  # BD3-LM runs the network on [x_t ; x_0]
 
   axes = sharding.MESH_AXES
@@ -324,7 +324,7 @@ def main(argv):
     c = _CONFIG.value
     plans = [plan_one(c, m, batch=_BATCH.value or c.data.batch_size,
                       accum=_ACCUM.value or c.optim.grad_accum_steps,
-                      rules=_RULES.value or c.get("sharding", {}).get("rules", "fsdp_tp"),
+                      rules=_RULES.value or c.sharding.rules,
                       platform=_PLATFORM.value, compile_=_COMPILE.value, serve_slots=_SLOTS.value,
                       serve_context=_CONTEXT.value, device_memory=device_memory) for m in meshes]
   except cli.USER_ERRORS as e:

@@ -28,7 +28,7 @@ from mdlm_jax.model.spec import ModelSpec, bind, init_params, model_spec
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.training.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
-from mdlm_jax.checkpoints import chat_template
+from mdlm_jax.data import chat_template
 from mdlm_jax.data import chat
 from mdlm_jax.data.tokenizer import CHAT_AND_FIM_PIECES, Tokenizer, load_bytes as load_tokenizer_bytes, train_tokenizer
 
@@ -174,7 +174,7 @@ def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None,
       log(f"training a {config.data.tokenizer_vocab_size}-piece sentencepiece tokenizer -> {path}")
       t0 = time.time()
       # A model that learns fill-in-the-middle needs its markers as pieces.
-      pieces = CHAT_AND_FIM_PIECES if float(config.data.get("fim_rate", 0.0)) > 0 else ()
+      pieces = CHAT_AND_FIM_PIECES if float(config.data.fim_rate) > 0 else ()
       proto = train_tokenizer(train_docs, path, config.data.tokenizer_vocab_size,
                               config.data.tokenizer_max_chars, pieces).to_bytes()
       log(f"tokenizer trained in {time.time() - t0:.1f}s")
@@ -183,7 +183,7 @@ def setup_tokenizer(config, workdir: str, train_docs, resumed_meta: dict | None,
 
 def load_init(config, mesh) -> LoadedModel | None:
   """The `train.init_from` model (EMA weights when it has them), or None."""
-  path = config.train.get("init_from", "")
+  path = config.train.init_from
   if not path:
     return None
   if not os.path.exists(path) and path not in registry.MODELS:
@@ -282,7 +282,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     resumed_meta = checkpointer.read_meta(workdir)[0]
     _same_model(resumed_meta["config"], config)
 
-  chat_run = config.data.get("kind", "text") == "chat"
+  chat_run = config.data.kind == "chat"
   if chat_run:  # instruction tuning: conversations, rendered with the run's chat template
     template = chat_template.named(config.data.chat_template)
     conversations = chat.read_jsonl(os.path.join(config.data.corpus, "train.jsonl"))
@@ -304,14 +304,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   meta = checkpointer.make_meta(config, tokenizer.to_bytes(), {"has_ema": use_ema, "objective": config.objective})
 
   local_batch = config.data.batch_size // jax.process_count()
-  fim_rate = float(config.data.get("fim_rate", 0.0))
+  fim_rate = float(config.data.fim_rate)
   if chat_run:
     rows = chat.rows(conversations, tokenizer, template, config.data.seq_len)
     infills = int(rows.is_infill.sum())
     log(f"{len(rows.tokens) - infills} conversations and {infills} infill records,"
         f" {rows.too_long} longer than {config.data.seq_len} tokens left out; data.fim_rate={fim_rate} of the"
         " rows are infills")
-    buckets = config_lib.parse_buckets(config.data.get("length_buckets", ""))
+    buckets = config_lib.parse_buckets(config.data.length_buckets)
     if buckets:
       cut = chat.bucket_of(rows.used, buckets, config.data.seq_len)
       log("rows by length bucket: " + ", ".join(f"<= {b}: {int((cut == b).sum())}"
@@ -323,8 +323,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                   seed=config.data.shuffle_seed, process_index=jax.process_index(),
                                   process_count=jax.process_count(), num_shards=num_reader_shards(config),
                                   fim_rate=fim_rate,
-                                  fim_spm_rate=float(config.data.get("fim_spm_rate", 0.5)),
-                                  fim_level=config.data.get("fim_level", "document"))
+                                  fim_spm_rate=float(config.data.fim_spm_rate),
+                                  fim_level=config.data.fim_level)
   with jax.set_mesh(mesh):
     params = init_params(spec, config.seed)
     if init is not None:
@@ -335,7 +335,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     weights = {"params": params}
     if use_ema:
       weights["ema"] = jax.tree.map(jnp.copy, params)
-    opt_state = jax.jit(optimizer.init)(partition(params, config.train.get("trainable", "all") == "adapters")[0])
+    opt_state = jax.jit(optimizer.init)(partition(params, config.train.trainable == "adapters")[0])
     train_state = {"step": jnp.zeros((), jnp.int32), "opt_state": opt_state}
     if resumed_meta is not None:
       w_abs = checkpointer.abstract_like(weights)
@@ -350,7 +350,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                      None)
     step_fn = jax.jit(make_train_step(spec, objective, optimizer,
                                       StepConfig(config.optim.grad_accum_steps, config.optim.ema_decay,
-                                                 adapters_only=config.train.get("trainable", "all") == "adapters")),
+                                                 adapters_only=config.train.trainable == "adapters")),
                       out_shardings=out_shardings, donate_argnums=(0, 1))
     batch_sharding = sharding.batch_sharding(mesh)
     base_key = jax.random.PRNGKey(config.seed)
@@ -362,8 +362,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     def step_cost(length: int) -> tuple[int, float]:
       """(tokens, FLOPs) of a step over rows of `length` (chat buckets make rows shorter)."""
       tokens = config.data.batch_size * length
-      if config.diffusion.get("block_size", 0) and config.objective == "mdlm":
-        if cfg.clean_causal and config.train.get("trainable", "all") == "adapters":
+      if config.diffusion.block_size and config.objective == "mdlm":
+        if cfg.clean_causal and config.train.trainable == "adapters":
           return tokens, flops.adapter_train_flops_per_token(cfg, length) * tokens
         return tokens, flops.block_diffusion_train_flops_per_token(cfg, length) * tokens
       return tokens, flops.train_flops_per_token(cfg, length) * tokens

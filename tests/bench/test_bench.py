@@ -182,3 +182,14 @@ def test_progress_reports_about_every_tenth_and_the_end(capsys):
   lines = capsys.readouterr().err.splitlines()
   assert p.done == 95 and len(lines) == 11  # 9, 18, ..., 90, then 95
   assert lines[0].startswith("items: 9/95, ") and lines[-1].startswith("items: 95/95, ") and "ETA 0s" in lines[-1]
+
+
+def test_the_memory_bound_shape_runs_end_to_end():
+  """bench sample's memory-bound comparison on a tiny shape: both decoders run and every
+  diffusion setting commits its 4 tokens a pass (the 100M shape crashed on its configless model)."""
+  shape = dict(vocab_size=1100, num_layers=1, embed_dim=32, num_heads=2, mlp_dim=64)
+  out = bench_sample.memory_bound_shape(new_tokens=8, prompt_tokens=8, shape=shape)
+  for name in ("diffusion_block8_2steps", "diffusion_block4_1step"):
+    assert out[name]["forward_passes"] * 4 <= out[name]["tokens"] + 8
+    assert out[name]["speedup_vs_ar"] > 0
+  assert out["ar"]["tokens"] == 8

@@ -11,7 +11,8 @@ import numpy as np
 from tests.conftest import REPO
 import pytest
 
-from mdlm_jax.checkpoints import chat_template, packaged, params_only, registry
+from mdlm_jax.checkpoints import packaged, params_only, registry
+from mdlm_jax.data import chat_template
 from mdlm_jax.server import tools
 from mdlm_jax import checkpoints
 

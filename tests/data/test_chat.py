@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mdlm_jax.checkpoints.chat_template import CHATML
+from mdlm_jax.data.chat_template import CHATML
 from mdlm_jax.data import chat
 
 

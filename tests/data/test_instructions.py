@@ -5,7 +5,7 @@ import random
 
 import jsonschema
 
-from mdlm_jax.checkpoints import chat_template
+from mdlm_jax.data import chat_template
 from mdlm_jax.data import instructions
 
 MODULE = '''"""A module."""

@@ -531,7 +531,8 @@ def test_chat_renders_the_checkpoints_template(tiny_checkpoints, tmp_path):
   from fastapi.testclient import TestClient
 
   from mdlm_jax import checkpoints
-  from mdlm_jax.checkpoints import chat_template, params_only
+  from mdlm_jax.checkpoints import params_only
+  from mdlm_jax.data import chat_template
   from mdlm_jax.engine.engine import Engine
   from mdlm_jax.server.app import create_app
   loaded = checkpoints.load(tiny_checkpoints["mdlm"])

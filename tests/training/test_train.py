@@ -174,7 +174,7 @@ def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp
   out = trainer.train(tiny_config, str(tmp_path / "run"))
   assert np.isfinite(out["train"]["loss"]) and out["eval"]["tokens"] > 0
   loaded = checkpoints.load(str(tmp_path / "run"))
-  from mdlm_jax.checkpoints.chat_template import CHATML
+  from mdlm_jax.data.chat_template import CHATML
   assert loaded.chat_template == CHATML
   tiny_config.train.update(num_steps=6)
   again = trainer.train(tiny_config, str(tmp_path / "run"))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mdlm_jax.checkpoints import chat_template as ct
+from mdlm_jax.data import chat_template as ct
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est Paris?"},
         {"role": "assistant", "content": "En France."}, {"role": "user", "content": "Merci"}]
