@@ -30,7 +30,8 @@ from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
 from mdlm_jax.server.protocol import (APIError, Limits, Sampling, check_fields, check_logit_bias_ids, guidance_given,
                                       parse_echo, parse_guidance, parse_logprobs, parse_messages, parse_model,
-                                      parse_prompt, parse_prompts, parse_sampling, parse_suffix, require_object)
+                                      parse_output_cap, parse_prompt, parse_prompts, parse_sampling, parse_suffix,
+                                      require_object)
 
 log = logging.getLogger("mdlm_jax.server")
 
@@ -193,9 +194,10 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     if len(messages) != 1 or messages[0]["role"] != "user":
       raise APIError(400, "messages: one user message holding the original code and the update snippet",
                      param="messages", code="invalid_value")
-    if body.get("stream"):
-      raise APIError(400, "stream: the merged file comes back whole", param="stream", code="unsupported_parameter")
-    s = parse_sampling({k: v for k, v in body.items() if k != "stream"}, state.limits, default_max_tokens=1)
+    cap, _ = parse_output_cap(body)
+    # The file is merged, not decoded: the sampling fields steer the placements the model decides.
+    s = parse_sampling({k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")},
+                       state.limits, default_max_tokens=1)
     try:
       original, snippet = apply_edit.parse(messages[0]["content"])
     except apply_edit.EditError as e:
@@ -204,27 +206,59 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
     decided = []
 
     def decide(before: str, candidates: list[str], after: str) -> int:
-      k = _place(state, s, before, candidates, after)
-      decided.append(k)
-      return k
+      decided.append(_place(state, s, before, candidates, after))
+      return decided[-1]
 
     merged = await asyncio.to_thread(apply_edit.merge, original, snippet, decide)
-    prompt_tokens = len(state.tok.encode(messages[0]["content"]))
-    completion = len(state.tok.encode(merged))
+    answer, finish = _cut_answer(state, merged, s.stop, cap)
+    prompt_tokens, completion = len(state.tok.encode(messages[0]["content"])), len(state.tok.encode(answer))
     state.metrics.tokens(prompt_tokens, completion)
     state.metrics.latency(time.perf_counter() - t0)
     state.metrics.request("apply", 200)
-    return JSONResponse({"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion",
-                         "created": int(time.time()), "model": state.model_id,
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": merged},
-                                      "logprobs": None, "finish_reason": "stop"}],
-                         "usage": _usage(prompt_tokens, completion),
-                         "model_decisions": len(decided)})
+    rid, created, usage = "chatcmpl-" + secrets.token_hex(12), int(time.time()), _usage(prompt_tokens, completion)
+    if s.stream:
+      return StreamingResponse(_apply_stream(state, rid, created, answer, finish, usage if s.include_usage else None,
+                                             len(decided)),
+                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_id,
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                                      "logprobs": None, "finish_reason": finish}],
+                         "usage": usage, "model_decisions": len(decided)})
 
   return app
 
 
 # -- helpers ----------------------------------------------------------------------
+
+
+def _cut_answer(state: ServerState, text: str, stop: Sequence[str], cap: int | None) -> tuple[str, str]:
+  """(answer, finish_reason) of a whole answer: cut before its first stop
+  string ("stop"), then to `cap` tokens ("length")."""
+  cuts = [i for i in (text.find(t) for t in stop) if i >= 0]
+  if cuts:
+    return text[:min(cuts)], "stop"
+  if cap is not None:
+    ids = state.tok.encode(text)
+    if len(ids) > cap:
+      return state.tok.decode(ids[:cap]), "length"
+  return text, "stop"
+
+
+def _apply_stream(state: ServerState, rid: str, created: int, answer: str, finish: str, usage: dict | None,
+                  decisions: int):
+  """A merged file as chat chunks: the role, then the file line by line, then
+  the finish reason (and the usage when asked), as OpenAI's clients read them."""
+  def chunk(delta: dict, reason: str | None, **extra) -> str:
+    return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}], **extra})
+  yield chunk({"role": "assistant", "content": ""}, None)
+  for line in answer.splitlines(keepends=True):
+    yield chunk({"content": line}, None)
+  yield chunk({}, finish, model_decisions=decisions)
+  if usage is not None:
+    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
+                "choices": [], "usage": usage})
+  yield "data: [DONE]\n\n"
 
 
 def _place(state: ServerState, s: Sampling, before: str, candidates: list[str], after: str) -> int:

@@ -144,6 +144,16 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
                   logit_bias=parse_logit_bias(body), **penalties)
 
 
+def parse_output_cap(body: dict) -> tuple[int | None, str]:
+  """(max_tokens or max_completion_tokens, the field's name) of an answer
+  that is not decoded token by token (apply-edit's merged file): None, no cap."""
+  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  cap = _get(body, name, int, None)
+  if cap is not None and cap < 1:
+    raise _bad(name, f"must be at least 1, got {cap}")
+  return cap, name
+
+
 def check_logit_bias_ids(pairs: tuple[tuple[int, float], ...], vocab_size: int) -> None:
   """A 400 naming the first logit_bias id the model has no logit for."""
   for tok, _ in pairs:
@@ -334,7 +344,8 @@ ENDPOINT_FIELDS = {
                     *LOGIT_MOVES},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
             "stream_options", "reasoning_effort", "diffusing", "user"},
-    "apply": {"model", "messages", "temperature", "top_p", "seed", "reasoning_effort", "user", "stream"},
+    "apply": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+              "stream", "stream_options", "reasoning_effort", "user"},
 }
 # OpenAI fields not implemented yet: checked, and accepted only at the value
 # that asks for nothing (which is then exactly what the server does).

@@ -1,6 +1,8 @@
 """Apply-edit: alignment decides what it can, byte for byte; the model places
 only what alignment cannot, among placements that keep every original line."""
 
+import json
+
 import httpx
 import pytest
 
@@ -115,7 +117,24 @@ def test_the_endpoint_merges_through_the_engine(tiny_checkpoints):
     assert "\n".join(lines) == original.rstrip("\n")  # every original line, in order
     bad = http.post("/v1/apply/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content"
-    bad = http.post("/v1/apply/completions", json={"model": "tiny", "stream": True,
-                                                   "messages": [{"role": "user", "content": content}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+    # The chat fields that make sense for a merged file: a token cap, stop strings, streaming.
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0, "seed": 3}
+    cut = http.post("/v1/apply/completions", json={**body, "max_tokens": 2}).json()
+    assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 2
+    assert merged.startswith(cut["choices"][0]["message"]["content"])
+    stopped = http.post("/v1/apply/completions", json={**body, "stop": ["z ="]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["message"]["content"] == merged[:merged.index("z =")]
+    with http.stream("POST", "/v1/apply/completions",
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+      assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+      events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == merged
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == out["usage"]["completion_tokens"]
+    bad = http.post("/v1/apply/completions", json={**body, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    bad = http.post("/v1/apply/completions", json={**body, "tools": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
   engine.close(deadline_s=1)
