@@ -36,9 +36,10 @@ def parse(argv):
   p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
   p.add_argument("--min-tokens", type=int, default=None,
                  help="tokens committed per pass at least (threshold sampler)")
-  p.add_argument("--no-kv-cache", action="store_true",
-                 help="full-canvas passes instead of cached blocks (exact for models trained on whole sequences,"
-                      " for which cached blocks ignore the masked blocks to their right)")
+  p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                 help="cached blocks (default for BD3-LM models, exact for them) or full-canvas passes (default for"
+                      " models trained on whole sequences, exact for them; cached blocks ignore the masked blocks"
+                      " to their right)")
   p.add_argument("--temperature", type=float, default=None)
   p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens with this mass")
   p.add_argument("--presence-penalty", type=float, default=None,
@@ -117,9 +118,9 @@ def main(argv=None):
     gen = generator_for(loaded)
     if loaded.spec.cfg.causal:
       diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths)
-      if a.show_steps or a.no_kv_cache or any(v is not None for v in diffusion_only):
+      if a.show_steps or a.kv_cache is not None or any(v is not None for v in diffusion_only):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
-                         " --block-size, --threshold, --min-tokens and --no-kv-cache apply to diffusion models only")
+                         " --block-size, --threshold, --min-tokens and --[no-]kv-cache apply to diffusion models only")
       sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0,
                           top_p=1.0 if a.top_p is None else a.top_p, presence_penalty=a.presence_penalty or 0.0,
                           frequency_penalty=a.frequency_penalty or 0.0, logit_bias=a.logit_bias)
@@ -129,7 +130,7 @@ def main(argv=None):
                                     in_order=loaded.spec.cfg.clean_causal,
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
-                                    kv_cache=False if a.no_kv_cache else None, presence_penalty=a.presence_penalty,
+                                    kv_cache=a.kv_cache, presence_penalty=a.presence_penalty,
                                     frequency_penalty=a.frequency_penalty, logit_bias=a.logit_bias or None)
       except ValueError as e:  # the sampler names its field; the user typed the flag
         raise ValueError(re.sub(r"^(\w+) must", lambda m: f"--{m.group(1).replace('_', '-')} must", str(e))) from e

@@ -205,6 +205,11 @@ def main(argv=None):
   server = Server(config)
   print(f"serving {app.state.server.model_id} on http://{a.host}:{a.port}/v1 ({engine.num_slots} slots of"
         f" {engine.sc.context} tokens, {engine.kv_cache_bytes / 2**20:.1f} MiB of KV cache)", flush=True)
+  cfg = engine.loaded.spec.cfg
+  if not (cfg.causal or cfg.clean_causal or engine.loaded.config.diffusion.block_size):
+    print(f"note: this model was trained on whole sequences; the server decodes it in cached blocks of"
+          f" {engine.sc.block_size}, an approximation that ignores the masked blocks to their right"
+          " (python -m mdlm_jax.sample decodes it exactly)", flush=True)
   server.run()
   engine.close(deadline_s=0)
   print("shut down", flush=True)

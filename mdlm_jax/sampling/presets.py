@@ -4,10 +4,12 @@ effort means for a model. The CLI, the engine, the server and the benchmarks
 all call it, so one effort decodes the same everywhere.
 
 All four are confidence-threshold samplers with greedy (temperature 0)
-proposals, decoding semi-autoregressively in blocks against a KV cache: the
-block size a BD3-LM model was trained with, else 32 (for a model trained on
-whole sequences, cached blocks are an approximation that ignores the masked
-blocks to their right; `kv_cache=False` gives exact full-canvas passes). Each
+proposals, decoding semi-autoregressively in blocks of the block size a
+BD3-LM model was trained with, against a KV cache: exact for such a model. A
+model trained on whole sequences (LLaDA, Dream, plain MDLM) decodes in
+full-canvas passes over blocks of 32 by default, as its reference
+implementations do; cached blocks (`kv_cache=True`, which the engine needs)
+are an approximation for it that ignores the masked blocks to the right. Each
 pass commits every proposal at least `threshold` sure and never fewer than
 `min_tokens`, so a preset bounds the passes per block from above and lets
 confident stretches go faster.
@@ -84,7 +86,8 @@ PRESET_BLOCK = 8  # the block the presets' floors were chosen for (the packaged 
 def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, in_order: bool = False,
               **overrides):
   """What `effort` (with any overrides) decodes with on a model whose BD3-LM
-  block is `model_block_size` (0: trained on whole sequences). An explicit
+  block is `model_block_size` (0: trained on whole sequences, decoded in
+  exact full-canvas passes unless `kv_cache=True`). An explicit
   `block_size` override wins over the model's. `in_order` (an AR model
   adapted to diffusion, model.clean_causal): the floor commits the leftmost
   undecided tokens, the first of which its base predicts exactly, so no
@@ -93,6 +96,8 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
   pass, plus the one after it when 90% sure)."""
   s = sampler_for(effort, sampler=sampler, **overrides)
   s = s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)
+  if model_block_size <= 0 and overrides.get("kv_cache") is None and hasattr(s, "kv_cache"):
+    s = dataclasses.replace(s, kv_cache=False)  # exact unless the caller opts into the approximation
   if in_order and isinstance(s, ThresholdSampler):
     floor = s.min_tokens if overrides.get("min_tokens") is not None else max(
         1, s.min_tokens * s.block_size // PRESET_BLOCK)

@@ -282,6 +282,18 @@ def test_presets_adapt_to_block_diffusion_models():
     sampler_for("max")
 
 
+def test_models_trained_on_whole_sequences_decode_exactly_by_default():
+  """LLaDA, Dream and plain MDLM models get full-canvas passes (what their reference
+  implementations run) unless the caller opts into cached blocks; BD3-LM models keep them."""
+  from mdlm_jax.sampling.presets import for_model
+  for effort in ("instant", "medium"):
+    assert not for_model(effort, 0).kv_cache and for_model(effort, 0).block_size == 32
+    assert for_model(effort, 0, kv_cache=True).kv_cache
+    assert for_model(effort, 8).kv_cache and for_model(effort, 8).block_size == 8
+  low = for_model("medium", 0, sampler="low_confidence", steps=8)
+  assert isinstance(low, LowConfidenceSampler) and not low.kv_cache
+
+
 def test_presets_commit_nested_sets():
   """From instant to high, each preset's threshold is at least the one before
   and its minimum at most: on the same confidences, each commits a subset of
