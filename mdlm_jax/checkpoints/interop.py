@@ -28,7 +28,6 @@ tokenizer.json (the published checkpoints'), whose special ids are config.json's
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any

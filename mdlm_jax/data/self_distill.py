@@ -74,8 +74,8 @@ def distill(generator, render: Callable[[list[dict]], tuple[str, Sequence[str], 
   """Appends a line for each record of `records` after the last one `out`
   holds: a tool-call record as it is, a write record as its user turn and
   the model's greedy answer (`generator`: an ARGenerator), unless the answer
-  did not end within `max_new_tokens`."""
-  from mdlm_jax.server import chat_template
+  did not end within `max_new_tokens`. `render(messages)` gives the prompt,
+  the strings that end a turn and whether a BOS goes first."""
   start = resume_point(out)
   counts = Counts()
   t0 = time.monotonic()

@@ -35,6 +35,8 @@ from mdlm_jax.data import fim
 from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import decoding_pair, next_token_view
 from mdlm_jax.engine import slots as slots_lib
+from mdlm_jax.engine.requests import ContextLengthExceeded, EngineClosed, Event, QueueFull, Request
+from mdlm_jax.engine.turns import Turn, decode as decode_turn, encode as encode_turn
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling import grammar as grammar_lib
@@ -42,85 +44,6 @@ from mdlm_jax.sampling import presets, rule
 from mdlm_jax.sampling.finish import finish, tokens_for_text
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
 from mdlm_jax.sampling.samplers import ThresholdSampler
-
-
-class QueueFull(RuntimeError):
-  """More requests are waiting than the engine accepts."""
-
-
-class EngineClosed(RuntimeError):
-  """The engine is shutting down and admits nothing new."""
-
-
-class ContextLengthExceeded(ValueError):
-  """A request's prompt (and suffix) can never fit this engine's context."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """What to decode and how: `sampler` is the refinement rule's settings (a
-  cached `ThresholdSampler` in the engine's block size, as
-  `presets.for_model` builds it for an effort); `seed` keys its noise.
-  With `suffix_ids` the request fills in the middle: the suffix is encoded
-  into the slot's cache with the prompt, at the positions after the middle's
-  `max_tokens`, and every block of the middle reads it."""
-  prompt_ids: Sequence[int]
-  max_tokens: int
-  sampler: ThresholdSampler
-  seed: int = 0
-  stop: tuple[str, ...] = ()
-  suffix_ids: Sequence[int] = ()
-  # Decode under this grammar (left to right, at least one token a pass):
-  # the output is in its language, or cut by max_tokens.
-  grammar: grammar_lib.Grammar | None = None
-  # Tokens besides EOS that end a constrained output where the grammar may
-  # end (a chat template's end of turn).
-  end_ids: tuple[int, ...] = ()
-  # Report each token's log-probability and this many alternatives (None: off).
-  logprobs: int | None = None
-
-  def fixed_row(self) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, RoPE positions) the prefill encodes: [suffix | prompt]."""
-    p, x = len(self.prompt_ids), len(self.suffix_ids)
-    tokens = np.asarray(list(self.suffix_ids) + list(self.prompt_ids), np.int32)
-    positions = np.concatenate([p + self.max_tokens + np.arange(x), np.arange(p)]).astype(np.int32)
-    return tokens, positions
-
-
-@dataclasses.dataclass
-class Event:
-  """kind: "draft" (text = the whole current draft), "delta" (text = newly
-  committed text) or "done" (text = the final completion). `logprobs`: for
-  a request that asked, the tokens whose text this event completes, each
-  (id, log-probability, [(alternative id, log-probability), ...])."""
-  kind: str
-  text: str = ""
-  finish_reason: str | None = None
-  completion_tokens: int = 0
-  passes: int = 0
-  logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-
-
-@dataclasses.dataclass
-class Turn:
-  """The device work of one engine turn, in order: free `release` rows,
-  admit `admits` [(row, request, key data, start, stop)] (the request's
-  fixed row [start, stop) is encoded: the whole of it, or with chunked
-  prefill one chunk; start 0 resets the slot, stop at the row's end starts
-  its decoding), write the host's commits for
-  constrained rows `guides` [(row, tokens from the old cursor, new cursor,
-  bitmask, how many of the tokens the last pass proposed)], then run one
-  pass over the first `rows` slots (none when 0), `guided` when a
-  constrained row is busy and `logprobs` when a busy request asked for them.
-  `stop` ends every process's loop."""
-  stop: bool = False
-  release: list[int] = dataclasses.field(default_factory=list)
-  admits: list[tuple[int, Request, np.ndarray, int, int]] = dataclasses.field(default_factory=list)
-  guides: list[tuple[int, list[int], int, np.ndarray, int]] = dataclasses.field(default_factory=list)
-  rows: int = 0
-  with_head: bool = False
-  guided: bool = False
-  logprobs: bool = False
 
 
 class Handle:
@@ -677,8 +600,8 @@ class Engine:
     if jax.process_count() == 1:
       return turn
     from jax.experimental import multihost_utils
-    arrays = _encode(turn if self._leader else Turn(), self.sc)
-    return _decode(jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(arrays)), self.sc)
+    arrays = encode_turn(turn if self._leader else Turn(), self.sc)
+    return decode_turn(jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(arrays)), self.sc)
 
   def _apply(self, turn: Turn) -> None:
     """The turn's device work; every process runs exactly this."""
@@ -929,56 +852,3 @@ def _place(x: np.ndarray, sharding) -> jax.Array:
   """A host array every process holds in full, as a global array: each process
   places the slices of its own devices (device_put cannot span processes)."""
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-_SETTINGS = ("threshold", "temperature", "top_p", "presence_penalty", "frequency_penalty")  # floats that travel
-
-
-def _encode(turn: Turn, sc) -> dict[str, np.ndarray]:
-  """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
-  n = sc.num_slots
-  out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides),
-                             turn.logprobs], np.int32),
-         "release": np.zeros(n, np.int32), "ints": np.zeros((n, 8), np.int32),
-         "floats": np.zeros((n, len(_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
-         "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
-         "guide_tokens": np.zeros((n, sc.block_size), np.int32),
-         "guide_allowed": np.zeros((n, sc.bitmask_words), np.uint32),
-         "bias_ids": np.full((n, rule.MAX_LOGIT_BIAS), rule.NO_BIAS_ID, np.int32),
-         "bias": np.zeros((n, rule.MAX_LOGIT_BIAS), np.float32)}
-  out["release"][turn.release] = 1
-  for i, (row, tokens, cursor, allowed, proposed) in enumerate(turn.guides):
-    out["guide_ints"][i] = (row, len(tokens), cursor, proposed)
-    out["guide_tokens"][i, :len(tokens)] = tokens
-    out["guide_allowed"][i] = allowed
-  for i, (row, r, key, start, stop) in enumerate(turn.admits):
-    out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, r.sampler.min_tokens, len(r.suffix_ids), start, stop,
-                      int(r.sampler.in_order))
-    out["floats"][i] = [getattr(r.sampler, f) for f in _SETTINGS]
-    out["bias_ids"][i], out["bias"][i] = rule.bias_arrays(r.sampler.logit_bias)
-    out["keys"][i] = key
-    ids = list(r.prompt_ids) + list(r.suffix_ids)
-    out["prompts"][i, :len(ids)] = ids
-  return out
-
-
-def _decode(a: dict[str, np.ndarray], sc) -> Turn:
-  """The turn `_encode` wrote: what touches the device. Stop strings and seeds
-  stay on process 0 (text matching is host work; the key is sent instead)."""
-  stop, n_admits, rows, with_head, guided, n_guides, logprobs = (int(v) for v in a["head"])
-  admits = []
-  for i in range(n_admits):
-    row, plen, max_tokens, min_tokens, slen, start, end, in_order = (int(v) for v in a["ints"][i])
-    threshold, temperature, top_p, presence, frequency = (float(v) for v in a["floats"][i])
-    bias = tuple((int(t), float(b)) for t, b in zip(a["bias_ids"][i], a["bias"][i]) if t != rule.NO_BIAS_ID)
-    sampler = ThresholdSampler(block_size=sc.block_size, kv_cache=True, threshold=threshold, min_tokens=min_tokens,
-                               in_order=bool(in_order),
-                               temperature=temperature, top_p=top_p, presence_penalty=presence,
-                               frequency_penalty=frequency, logit_bias=bias)
-    admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
-                                suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
-                   a["keys"][i].astype(np.uint32), start, end))
-  guides = [(int(row), a["guide_tokens"][i, :int(k)].tolist(), int(cursor), a["guide_allowed"][i], int(proposed))
-            for i, (row, k, cursor, proposed) in enumerate(a["guide_ints"][:n_guides])]
-  return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, guides=guides,
-              rows=rows, with_head=bool(with_head), guided=bool(guided), logprobs=bool(logprobs))

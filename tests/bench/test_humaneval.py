@@ -122,6 +122,27 @@ def test_the_null_answer_floor_counts_holes_that_need_nothing():
   assert out["null_answer_passed"] == 1 and out["null_answer_pass"] == pytest.approx(1 / 3)
 
 
+def test_chat_answers_run_the_function_their_code_block_defines():
+  """The first code block, after the prompt's imports; the prompt first when the block is only a body;
+  tokens per pass from the backend's counts."""
+  typed = {**ADD, "task_id": "HumanEval/5", "prompt": "from typing import List\n\n\n" + ADD["prompt"]}
+  tasks = he.chat_tasks([ADD, typed])
+  assert tasks[1].prefix == "from typing import List\n\n" and "```python\nfrom typing" in tasks[1].request
+  whole = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nIt adds."
+  body = "```\n    return a + b\n```"
+  assert he.chat_code(tasks[0], whole) == "def add(a, b):\n    return a + b\n"
+  assert he.chat_code(tasks[0], body) == ADD["prompt"] + "    return a + b\n"
+
+  class Chat:
+    def chat(self, requests, *, max_tokens, seed):
+      assert requests == [t.request for t in tasks] and max_tokens == 64
+      return [whole, "```python\ndef add(a, b):\n    return a - b\n```"], {"tokens": 30, "passes": 12}
+
+  out = he.run_mode(Chat(), tasks, "chat", samples=1, max_tokens=64, ks=[1], jobs=1, timeout_s=5.0, memory_mb=256)
+  assert out["pass@1"] == 0.5 and out["passed"] == ["HumanEval/0"]
+  assert out["tokens_per_pass"] == 2.5 and out["forward_passes"] == 12
+
+
 @pytest.mark.slow
 def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, capsys):
   out = tmp_path / "he.json"
