@@ -54,7 +54,7 @@ def parse(argv):
   return a
 
 
-def _import(a, max_shard: int) -> tuple[str, int]:
+def import_folder(a, max_shard: int) -> tuple[str, int]:
   from mdlm_jax.checkpoints import interop, params_only
   from mdlm_jax.model.spec import model_spec
   from mdlm_jax.model import ModelConfig
@@ -86,7 +86,7 @@ def _import(a, max_shard: int) -> tuple[str, int]:
   return out, step
 
 
-def _export(a, max_shard: int) -> tuple[str, int]:
+def export_folder(a, max_shard: int) -> tuple[str, int]:
   from mdlm_jax.checkpoints import interop, params_only
   from mdlm_jax import checkpoints
   native = a.format in ("native", "params")
@@ -129,7 +129,7 @@ def main(argv=None):
       max_shard = safetensors.parse_size(a.max_shard_size)
     except ValueError as e:
       raise ValueError(f"--max-shard-size: {e}") from None
-    out, step = _import(a, max_shard) if a.import_ else _export(a, max_shard)
+    out, step = import_folder(a, max_shard) if a.import_ else export_folder(a, max_shard)
   except (*cli.USER_ERRORS, FileExistsError) as e:
     cli.fail("export", e)
   size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))

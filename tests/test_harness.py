@@ -193,7 +193,7 @@ def test_the_packaged_offline_tasks_hold_out_their_answers():
   for r in rows:
     truth = r["choices"][r["answer"]]
     assert len(set(r["choices"])) == 4 and truth.strip()
-  docs = pycode._held_out()
+  docs = pycode.held_out_documents()
   first = rows[0]
   assert any(first["context"] + first["choices"][first["answer"]] in d for d in docs)  # the line that follows
 

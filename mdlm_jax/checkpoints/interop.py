@@ -134,7 +134,7 @@ def hf_config(fmt: str, cfg: ModelConfig, config: ml_collections.ConfigDict, tok
           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.resolved_kv_heads,
           "head_dim": cfg.resolved_head_dim, "num_hidden_layers": cfg.num_layers,
           "intermediate_size": cfg.mlp_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-          "rope_theta": cfg.rope_theta, "rope_scaling": _hf_rope_scaling(cfg.rope_scaling),
+          "rope_theta": cfg.rope_theta, "rope_scaling": hf_rope_scaling(cfg.rope_scaling),
           "tie_word_embeddings": False, "vocab_size": cfg.vocab_size,
           # Dynamic and yarn scaling measure against max_position_embeddings.
           "max_position_embeddings": cfg.rope_scaling.max_position if cfg.rope_scaling.type in ("dynamic", "yarn")
@@ -143,7 +143,7 @@ def hf_config(fmt: str, cfg: ModelConfig, config: ml_collections.ConfigDict, tok
   return {**hf, **tok.special_ids(), "torch_dtype": dtype, "mdlm_jax": native}
 
 
-def _hf_rope_scaling(s: RopeScaling) -> dict[str, Any] | None:
+def hf_rope_scaling(s: RopeScaling) -> dict[str, Any] | None:
   """`rope_scaling` as transformers reads it back to the same frequencies
   (yarn without original_max_position_embeddings, from which transformers
   would recompute the factor)."""

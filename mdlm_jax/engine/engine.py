@@ -224,6 +224,8 @@ class Engine:
     self._stop = False
     self._thread: threading.Thread | None = None
     self.stats = collections.Counter()
+    # The distinct static signatures the programs were called with: one compiled program each.
+    self._signatures = {"passes": set(), "prefills": set()}
     self._finish_reasons: collections.Counter[str] = collections.Counter()
     self.error: BaseException | None = None
 
@@ -268,6 +270,7 @@ class Engine:
         sizes = [(k, False) for k in admit_sizes(bucket, self.admit_batch)]
         for k, resume in sizes + ([(1, True)] if self.prefill_chunk else []):
           model, admit, _ = self._programs_for(k * bucket)
+          self._signatures["prefills"].add((id(model), k, bucket, resume))
           ones = np.ones((k,), np.int32)
           self._state = admit(model.params, self._state, np.arange(k, dtype=np.int32),
                               np.full((k, bucket), self.tok.pad_id, np.int32),
@@ -285,7 +288,7 @@ class Engine:
   def _prefill_buckets(self) -> list[int]:
     """The padded lengths a prefill (or a prefill's chunk) can have."""
     cap = self.prefill_chunk or self.sc.max_prompt
-    return sorted({_bucket(n, cap) for n in range(1, cap + 1)})
+    return sorted({prompt_bucket(n, cap) for n in range(1, cap + 1)})
 
   def pass_rows(self, busy: int) -> int:
     """How many slots a pass covers when slots [0, busy) hold requests."""
@@ -339,10 +342,9 @@ class Engine:
       return step.lower(model.params, self._state, ops, rows=rows, with_head=with_head).compile().as_text()
 
   def compiled(self) -> dict[str, int]:
-    """How many pass and prefill programs are compiled, over both weight layouts."""
-    programs = {id(p): p for p in (self._few, self._many)}.values()
-    return {"passes": sum(p[2]._cache_size() for p in programs),
-            "prefills": sum(p[1]._cache_size() for p in programs)}
+    """How many pass and prefill programs are compiled, over both weight
+    layouts: the distinct shapes and static arguments they were called with."""
+    return {kind: len(seen) for kind, seen in self._signatures.items()}
 
   def prepare(self, request: Request) -> Request:
     """The request as this engine decodes it: for a model trained with
@@ -610,7 +612,7 @@ class Engine:
     resumed = [start > 0 for _, _, _, start, _ in turn.admits]
     last = [stop == len(r.prompt_ids) + len(r.suffix_ids) for _, r, _, _, stop in turn.admits]
     cap = self.prefill_chunk or self.sc.max_prompt
-    buckets = [_bucket(len(tokens), cap) for tokens, _ in rows_of]
+    buckets = [prompt_bucket(len(tokens), cap) for tokens, _ in rows_of]
     ints = lambda values: np.asarray(list(values), np.int32)  # noqa: E731
     fresh = admit_groups([b for b, r in zip(buckets, resumed) if not r], self.admit_batch)
     index = [i for i, r in enumerate(resumed) if not r]
@@ -626,6 +628,7 @@ class Engine:
       requests = [turn.admits[i][1] for i in group]
       decoding = jax.tree.map(lambda *x: np.concatenate(x), *(r.sampler.decoding(1) for r in requests))
       model, admit, _ = self._programs_for(k * bucket)
+      self._signatures["prefills"].add((id(model), k, bucket, resume))
       self.stats["prefills"] += 1
       self._state = admit(model.params, self._state, ints(turn.admits[i][0] for i in group), fixed, pos,
                           ints(len(rows_of[i][0]) for i in group), ints(len(r.prompt_ids) for r in requests),
@@ -662,6 +665,7 @@ class Engine:
     constrained rows written first in the same program (one dispatch a pass)."""
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
+    self._signatures["passes"].add((id(model), rows, with_head, logprobs, guided))
     self._state = step(model.params, self._state, ops, rows=rows, with_head=with_head, logprobs=logprobs)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
@@ -794,7 +798,7 @@ def ride_with_head(waiting: np.ndarray, waited: bool) -> tuple[bool, bool]:
   return with_head, n > 0 and not with_head
 
 
-def _bucket(n: int, cap: int) -> int:
+def prompt_bucket(n: int, cap: int) -> int:
   """Prompt lengths are padded to 16, 24, 32, 48, 64, 96, ... (powers of two
   and halfway between): few compiles, and at most a third of a prefill is
   padding (a 65-token prompt padded to 128 cost 9.8 ms a prefill, to 96 7.3)."""

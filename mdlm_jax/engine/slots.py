@@ -215,7 +215,7 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   if guided:
     logits = _allow_at_cursor(logits, s, lo)
   x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
-  top = _top_logprobs(logits, sc.never_proposed) if logprobs else None
+  top = top_logprobs_of(logits, sc.never_proposed) if logprobs else None
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.commit(conf, candidates, d.threshold, d.min_tokens, d.in_order)
   commit = picked & ~s.constrained[:, None] if guided else picked
@@ -245,7 +245,7 @@ def _move_logits(sc: SlotConfig, s: Slots, logits):
   return lax.cond(jnp.any(asks & s.active), moved, lambda: logits.astype(jnp.float32))
 
 
-def _top_logprobs(logits, never: tuple[int, ...]):
+def top_logprobs_of(logits, never: tuple[int, ...]):
   """(log-probs [b, t, K], ids [b, t, K]) of each position's most likely
   tokens, those never proposed excluded."""
   if isinstance(logits, kernels.HeadInput):

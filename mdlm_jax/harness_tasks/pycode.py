@@ -17,7 +17,7 @@ MAX_CHARS = 4000  # of each file, from its start
 CONTEXT_CHARS = 1200  # of the lines before the asked one
 
 
-def _held_out(validation_fraction: float = 0.05) -> list[str]:
+def held_out_documents(validation_fraction: float = 0.05) -> list[str]:
   from mdlm_jax import data
   docs = [d[:MAX_CHARS] for d in data.load_documents("stdlib", "validation", validation_fraction)]
   return [d for d in docs if d.count("\n") >= 8][:DOCS]
@@ -29,11 +29,11 @@ def _dataset(rows: list[dict]):
 
 
 def ppl_docs(**_) -> dict:
-  return _dataset([{"text": d} for d in _held_out()])
+  return _dataset([{"text": d} for d in held_out_documents()])
 
 
 def next_line_docs(seed: int = 1234, **_) -> dict:
-  docs = _held_out()
+  docs = held_out_documents()
   rng = random.Random(seed)
   pool = [(i, line) for i, d in enumerate(docs) for line in d.splitlines() if len(line.strip()) >= 8]
   rows = []

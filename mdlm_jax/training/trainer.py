@@ -242,7 +242,7 @@ def check_batch_layout(config, mesh) -> None:
     raise config_lib.ConfigError(f"config.data.batch_size={b} is not divisible by {jax.process_count()} processes")
 
 
-def _same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
+def check_same_model(saved: dict, current: ml_collections.ConfigDict) -> None:
   cur = json.loads(current.to_json_best_effort())
   # A field the checkpoint lacks was added after it was written: it trained with the default.
   defaults = json.loads(config_lib.base_config().model.to_json_best_effort())
@@ -280,7 +280,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
   resumed_meta = None
   if ckpt.latest_step() is not None:
     resumed_meta = checkpointer.read_meta(workdir)[0]
-    _same_model(resumed_meta["config"], config)
+    check_same_model(resumed_meta["config"], config)
 
   chat_run = config.data.kind == "chat"
   if chat_run:  # instruction tuning: conversations, rendered with the run's chat template

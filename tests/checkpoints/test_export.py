@@ -75,7 +75,7 @@ def test_safetensors_round_trip_and_errors(tmp_path):
   assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]  # nothing half-written left
 
 
-def _export(*args):
+def export_folder(*args):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   return subprocess.run([sys.executable, "-m", "mdlm_jax.export", *args], capture_output=True, text=True,
                         env=env, timeout=240, cwd=REPO)
@@ -109,10 +109,10 @@ def test_export_errors(tiny_checkpoints, tmp_path):
   from mdlm_jax import export
   out = tmp_path / "m"
   export.main([f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}"])
-  r = _export(f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}")
+  r = export_folder(f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}")
   assert r.returncode != 0 and "already exists" in r.stderr and "Traceback" not in r.stderr
   export.main([f"--checkpoint={tiny_checkpoints['ar']}", f"--out={out}", "--overwrite"])
-  r = _export(f"--checkpoint={tmp_path / 'nope'}", f"--out={tmp_path / 'x'}")
+  r = export_folder(f"--checkpoint={tmp_path / 'nope'}", f"--out={tmp_path / 'x'}")
   assert r.returncode != 0 and "does not exist" in r.stderr and not (tmp_path / "x").exists()
   meta = json.load(open(out / "config.json"))
   meta["config"]["model"]["embed_dim"] *= 2

@@ -346,7 +346,7 @@ def test_gguf_errors_name_the_problem(bpe, tmp_path):
   out = tmp_path / "never"
   from mdlm_jax import export
   with pytest.raises(InteropError, match="truncated"):
-    export._import(export.parse(["--import", f"--checkpoint={cut}", f"--out={out}"]), 2**30)
+    export.import_folder(export.parse(["--import", f"--checkpoint={cut}", f"--out={out}"]), 2**30)
   assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
 
 

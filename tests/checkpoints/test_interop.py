@@ -176,9 +176,9 @@ def test_errors_name_the_problem(tok, tmp_path):
   with pytest.raises(SystemExit):
     export.parse([f"--checkpoint={out}", f"--out={tmp_path / 'x'}", "--format=onnx"])
   with pytest.raises(ValueError, match="--format=gguf is read with --import"):
-    export._export(export.parse([f"--checkpoint={out}", f"--out={tmp_path / 'x'}", "--format=gguf"]), 2**30)
+    export.export_folder(export.parse([f"--checkpoint={out}", f"--out={tmp_path / 'x'}", "--format=gguf"]), 2**30)
   with pytest.raises(ValueError, match="holds a llada checkpoint"):
-    export._import(export.parse(["--import", "--format=dream", f"--checkpoint={out}", f"--out={tmp_path / 'x'}"]),
+    export.import_folder(export.parse(["--import", "--format=dream", f"--checkpoint={out}", f"--out={tmp_path / 'x'}"]),
                    2**30)
   # the CLI: one line, non-zero exit, nothing written
   r = _run_export("--import", f"--checkpoint={missing}", f"--out={tmp_path / 'x'}")

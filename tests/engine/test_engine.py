@@ -328,13 +328,13 @@ def test_passes_run_over_few_idle_slots(loaded):
 
 
 def test_prompt_buckets_pad_at_most_a_third():
-  from mdlm_jax.engine.engine import _bucket
+  from mdlm_jax.engine.engine import prompt_bucket
   sizes = sorted({16 << k for k in range(8)} | {24 << k for k in range(8)})
   for n in range(1, 2000):
     want = min(s for s in sizes if s >= n)
-    assert _bucket(n, 10_000) == want
+    assert prompt_bucket(n, 10_000) == want
     assert n < 16 or (want - n) / want < 1 / 3
-    assert _bucket(n, 100) == min(want, 100)
+    assert prompt_bucket(n, 100) == min(want, 100)
 
 
 @pytest.fixture(scope="module")
@@ -437,11 +437,11 @@ def test_a_constrained_output_cut_by_max_tokens_is_a_prefix_with_length(loaded, 
 
 
 def test_top_logprobs_match_a_float64_log_softmax():
-  from mdlm_jax.engine.slots import TOP_LOGPROBS, _top_logprobs
+  from mdlm_jax.engine.slots import TOP_LOGPROBS, top_logprobs_of
   rng = np.random.default_rng()
   logits = rng.normal(size=(3, 5, 97)) * 3
   never = tuple(sorted(rng.choice(97, size=3, replace=False).tolist()))
-  vals, ids = (np.asarray(x) for x in _top_logprobs(jax.numpy.asarray(logits, jax.numpy.float32), never))
+  vals, ids = (np.asarray(x) for x in top_logprobs_of(jax.numpy.asarray(logits, jax.numpy.float32), never))
   z = np.delete(logits, never, axis=-1)
   lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
   ref = logits - lse[..., None]
@@ -525,9 +525,9 @@ def test_an_idle_engine_waits_for_announced_requests_and_admits_them_together(lo
 
 @pytest.mark.parametrize("seed", range(3))
 def test_admit_groups_cover_every_request_once_with_bounded_padding(seed):
-  from mdlm_jax.engine.engine import ADMIT_TOKENS, _bucket, admit_groups, admit_sizes
+  from mdlm_jax.engine.engine import ADMIT_TOKENS, prompt_bucket, admit_groups, admit_sizes
   rng = np.random.default_rng(seed)
-  buckets = [_bucket(int(n), 512) for n in rng.integers(1, 513, size=int(rng.integers(1, 17)))]
+  buckets = [prompt_bucket(int(n), 512) for n in rng.integers(1, 513, size=int(rng.integers(1, 17)))]
   groups = admit_groups(buckets, 8)
   assert sorted(i for _, g in groups for i in g) == list(range(len(buckets)))
   for bucket, g in groups:

@@ -7,6 +7,7 @@ import types
 import numpy as np
 
 from mdlm_jax.engine.requests import Request
+from mdlm_jax.engine.slots import SlotConfig
 from mdlm_jax.engine.turns import Turn, decode, encode
 from mdlm_jax.sampling.samplers import ThresholdSampler
 
@@ -45,3 +46,36 @@ def test_every_setting_travels():
                                                                                              [7, 9], 8)
   np.testing.assert_array_equal(got_key, key)
   assert back.release == [2] and back.rows == 2 and back.with_head and not back.stop
+
+
+def test_turns_survive_the_broadcast_encoding():
+  """What process 0 sends its followers each turn decodes to the same device work."""
+  sc = SlotConfig(num_slots=4, block_size=8, max_prompt=16, max_new_tokens=32, mask_id=3, eos_id=2, vocab_size=100)
+  rng = np.random.default_rng(0)
+  sampler = ThresholdSampler(threshold=0.7, min_tokens=2, temperature=0.5, top_p=0.9, block_size=8, kv_cache=True,
+                             presence_penalty=0.25, frequency_penalty=-1.5, logit_bias=((7, -100.0), (99, 3.5)))
+  admits = [(row, Request(rng.integers(0, 100, size=n).tolist(), 24, sampler, seed=10 ** 12, stop=("x",),
+                          suffix_ids=rng.integers(0, 100, size=s).tolist()),
+             rng.integers(0, 2 ** 32, size=2, dtype=np.uint64).astype(np.uint32), start, stop)
+            for row, n, s, start, stop in ((2, 16, 0, 8, 16), (0, 1, 5, 0, 6))]
+  guides = [(1, rng.integers(0, 100, size=3).tolist(), 11, rng.integers(0, 2 ** 32, size=4, dtype=np.uint64)
+             .astype(np.uint32), 2), (3, [], 0, np.zeros(4, np.uint32), 0)]
+  turn = Turn(release=[1, 3], admits=admits, guides=guides, rows=4, with_head=True, guided=True, logprobs=True)
+  back = decode(encode(turn, sc), sc)
+  assert (back.stop, back.release, back.rows, back.with_head, back.guided, back.logprobs) == \
+      (False, [1, 3], 4, True, True, True)
+  for (row, tokens, cursor, allowed, n), (row2, tokens2, cursor2, allowed2, n2) in zip(guides, back.guides,
+                                                                                     strict=True):
+    assert (row2, tokens2, cursor2, n2) == (row, tokens, cursor, n)
+    np.testing.assert_array_equal(allowed2, allowed)
+  for (row, r, key, *span), (row2, r2, key2, *span2) in zip(turn.admits, back.admits, strict=True):
+    assert span2 == span  # the chunk of the prompt this turn encodes
+    assert row2 == row and list(r2.prompt_ids) == list(r.prompt_ids) and r2.max_tokens == r.max_tokens
+    assert list(r2.suffix_ids) == list(r.suffix_ids)
+    a, b = r.sampler, r2.sampler
+    assert b.min_tokens == a.min_tokens and np.float32(b.threshold) == np.float32(a.threshold)
+    assert np.float32(b.temperature) == np.float32(a.temperature) and np.float32(b.top_p) == np.float32(a.top_p)
+    assert (b.presence_penalty, b.frequency_penalty, b.logit_bias) == (a.presence_penalty, a.frequency_penalty,
+                                                                       a.logit_bias)
+    np.testing.assert_array_equal(key2, key)
+  assert decode(encode(Turn(stop=True), sc), sc).stop

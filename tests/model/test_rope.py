@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mdlm_jax import config as config_lib
-from mdlm_jax.checkpoints.interop import _hf_rope_scaling
+from mdlm_jax.checkpoints.interop import hf_rope_scaling
 from mdlm_jax.model.rope import RopeScaling, rope
 
 THETA, DIM = 10000.0, 64
@@ -135,7 +135,7 @@ def test_hugging_face_configs():
                                RopeScaling(type="yarn", factor=5.0, max_position=1024, beta_fast=16.0),
                                RopeScaling(type="llama3", factor=8.0, max_position=2048, high_freq_factor=2.0)])
 def test_exported_rope_scaling_reads_back_to_the_same_frequencies(s):
-  hf = {"rope_scaling": _hf_rope_scaling(s),
+  hf = {"rope_scaling": hf_rope_scaling(s),
         "max_position_embeddings": s.max_position if s.type in ("dynamic", "yarn") else 99999}
   back = RopeScaling.from_hf(hf)
   assert back.type == s.type and back.factor == s.factor

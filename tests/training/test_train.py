@@ -120,10 +120,10 @@ def test_resume_reads_a_model_field_the_checkpoint_predates_as_its_default(tiny_
   import json
   saved = json.loads(tiny_config.to_json_best_effort())
   del saved["model"]["rope_scaling"]
-  trainer._same_model(saved, tiny_config)
+  trainer.check_same_model(saved, tiny_config)
   tiny_config.model.rope_scaling.update(type="linear", factor=2.0)
   with pytest.raises(checkpointer.CheckpointError, match="model.rope_scaling"):
-    trainer._same_model(saved, tiny_config)
+    trainer.check_same_model(saved, tiny_config)
 
 
 def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_path):
@@ -258,5 +258,5 @@ def test_adapters_train_alone_over_a_frozen_base_and_ship_alone(tiny_checkpoints
   for k, v in params_only.flatten(again.params).items():
     np.testing.assert_array_equal(np.asarray(v), np.asarray(named[k]), err_msg=k)
   with pytest.raises(ValueError, match="--adapters-only exports a run that trained adapters"):
-    export._export(export.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'no'}",
+    export.export_folder(export.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'no'}",
                                  "--adapters-only"]), 2**30)

@@ -1,0 +1,37 @@
+"""Stage 3 of the SmolLM2 adaptation (configs/a2d_smollm2.py): chat, on answers
+SmolLM2-135M-Instruct wrote itself (self-distillation) and mined tool calls.
+
+  python -m mdlm_jax.corpus instructions --corpus=stdlib --out=data/stdlib_instructions --per-file=6
+  python -m mdlm_jax.corpus build --out=data/pycode_small --limit=60
+  python -m mdlm_jax.corpus instructions --corpus=data/pycode_small --out=data/pycode_small_instructions
+  mkdir -p data/a2d_chat
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct \\
+      --instructions=data/stdlib_instructions/train.jsonl --out=data/a2d_chat/train.jsonl
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct \\
+      --instructions=data/pycode_small_instructions/train.jsonl --out=data/a2d_chat/train_pycode.jsonl
+  cat data/a2d_chat/train_pycode.jsonl >> data/a2d_chat/train.jsonl
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct \\
+      --instructions=data/pycode_small_instructions/heldout.jsonl --out=data/a2d_chat/heldout.jsonl
+  python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat \\
+      --config.train.init_from=runs/a2d_smollm2_b4
+
+Each answer is the base's own greedy text, so the base is sure of each of its
+tokens: the adapters can learn to be sure of several at once, which is what
+tokens per pass need, and the distillation term pulls every masked token to
+the base's full distribution. Only the answer is masked and scored (the
+template's generation span); the prompt stays clean context.
+"""
+
+import os
+
+from mdlm_jax.config import load_config_file
+
+
+def get_config():
+  c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "a2d_smollm2.py"))
+  c.diffusion.block_size = 4
+  # Prompts with the default system turn take about 60 tokens; answers up to 384.
+  c.data.update(kind="chat", corpus="data/a2d_chat", seq_len=512, length_buckets="256")
+  c.optim.update(learning_rate=3e-4, warmup_steps=20)
+  c.train.update(num_steps=2000, eval_every=200, eval_batches=2, checkpoint_every=50)
+  return c
