@@ -4,6 +4,8 @@ dropped, tool calls copied, and a killed run resumed without repeating or losing
 import json
 import types
 
+import pytest
+
 from mdlm_jax import distill
 from mdlm_jax.data import self_distill
 
@@ -52,6 +54,7 @@ def test_answers_calls_and_resume(tmp_path):
   assert self_distill.distill(gen, render, records, out, batch_size=3).requests == 0  # nothing left
 
 
+@pytest.mark.slow  # compiles the tiny AR decoder (about 20 s on 2 cores); the stub test covers the logic
 def test_the_cli_answers_with_a_real_ar_model(tiny_checkpoints, tmp_path, capsys):
   src = tmp_path / "train.jsonl"
   src.write_text("".join(json.dumps(r) + "\n" for r in WRITE[:2] + [INFILL]))

