@@ -52,3 +52,26 @@ def tiny_checkpoints(tmp_path_factory, tiny_tokenizer_path):
     out[objective] = str(tmp_path_factory.mktemp(objective))
     trainer.train(c, out[objective])
   return out
+
+
+def adapted_from(ar, *, lora_rank: int = 4, block_size: int = 2):
+  """An AR checkpoint (`checkpoints.load`ed) made an adapted model: a causal clean stream, a
+  shifted head and random adapters on the noisy rows, its base weights unchanged."""
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from mdlm_jax.model.spec import model_spec
+  cfg = dataclasses.replace(ar.spec.cfg, causal=False, shift_logits=True, clean_causal=True, lora_rank=lora_rank)
+  spec = model_spec(cfg, None)
+  rng = np.random.default_rng(0)
+  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(ar.params)[0]}
+  leaves = [flat.get(jax.tree_util.keystr(k), 0.05 * rng.standard_normal(a.shape).astype(np.float32))
+            for k, a in jax.tree_util.tree_flatten_with_path(spec.abstract)[0]]
+  params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec.abstract),
+                                        [jax.numpy.asarray(x) for x in leaves])
+  config = ar.config.copy_and_resolve_references()
+  config.objective, config.diffusion.block_size = "mdlm", block_size
+  config.model.update(causal=False, shift_logits=True, clean_causal=True, lora_rank=lora_rank)
+  return dataclasses.replace(ar, spec=spec, params=params, config=config)

@@ -16,6 +16,7 @@ from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, R
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import Generator
 from mdlm_jax.sampling.samplers import ThresholdSampler
+from tests.conftest import adapted_from
 
 PROMPTS = ["def f(x):\n", "import os\nimport sys\n\nclass Thing:\n    ", "x = "]
 SETTINGS = [dict(threshold=0.9, min_tokens=2), dict(threshold=0.5, min_tokens=4), dict(threshold=1.0, min_tokens=1)]
@@ -660,18 +661,7 @@ def test_an_adapted_ar_model_decodes_in_the_engine_as_in_the_generator(tiny_chec
   """A causal-clean model with adapters on its noisy rows (an AR model adapted to
   diffusion), its adapters random: the engine's passes write the one-shot sampler's
   tokens, efforts decoding in order."""
-  ar = checkpoints.load(tiny_checkpoints["ar"])
-  cfg = dataclasses.replace(ar.spec.cfg, causal=False, shift_logits=True, clean_causal=True, lora_rank=4)
-  spec = model_spec(cfg, None)
-  rng = np.random.default_rng(0)
-  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(ar.params)[0]}
-  leaves = [flat.get(jax.tree_util.keystr(k), 0.05 * rng.standard_normal(a.shape).astype(np.float32))
-            for k, a in jax.tree_util.tree_flatten_with_path(spec.abstract)[0]]
-  params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec.abstract),
-                                        [jax.numpy.asarray(x) for x in leaves])
-  config = ar.config.copy_and_resolve_references()
-  config.objective, config.diffusion.block_size = "mdlm", 2
-  adapted = dataclasses.replace(ar, spec=spec, params=params, config=config)
+  adapted = adapted_from(checkpoints.load(tiny_checkpoints["ar"]))
   gen = Generator(adapted)
   e = Engine(adapted, num_slots=2, max_prompt=32, max_new_tokens=16).start()
   try:
