@@ -1,17 +1,19 @@
 """Stage 3 of the SmolLM2 adaptation (configs/a2d_smollm2.py): chat, on answers
-SmolLM2-135M-Instruct wrote itself (self-distillation) and mined tool calls.
+SmolLM2-135M-Instruct wrote itself (self-distillation) to requests mined from
+the standard library, and tool calls mined from PyPI code (the base writes
+none by itself, so they are taken as mined, in the template's format).
 
   python -m mdlm_jax.corpus instructions --corpus=stdlib --out=data/stdlib_instructions --per-file=6
   python -m mdlm_jax.corpus build --out=data/pycode_small --limit=60
   python -m mdlm_jax.corpus instructions --corpus=data/pycode_small --out=data/pycode_small_instructions
   mkdir -p data/a2d_chat
-  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct \\
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --batch-size=32 \\
       --instructions=data/stdlib_instructions/train.jsonl --out=data/a2d_chat/train.jsonl
-  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct \\
-      --instructions=data/pycode_small_instructions/train.jsonl --out=data/a2d_chat/train_pycode.jsonl
-  cat data/a2d_chat/train_pycode.jsonl >> data/a2d_chat/train.jsonl
-  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct \\
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --batch-size=32 \\
       --instructions=data/pycode_small_instructions/heldout.jsonl --out=data/a2d_chat/heldout.jsonl
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --kinds=calls \\
+      --instructions=data/pycode_small_instructions/train.jsonl --out=data/a2d_chat/calls.jsonl
+  cat data/a2d_chat/calls.jsonl >> data/a2d_chat/train.jsonl
   python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat \\
       --config.train.init_from=runs/a2d_smollm2_b4
 

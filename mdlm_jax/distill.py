@@ -27,7 +27,12 @@ def parse(argv):
   p.add_argument("--seed", type=int, default=0, help="the shuffle that orders the records")
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--max-new-tokens", type=int, default=320, help="an answer longer than this is dropped")
+  p.add_argument("--kinds", default="writes,calls",
+                 help="which records: writes (answered by the model), calls (tool calls, copied), or both")
   a = p.parse_args(argv)
+  a.kinds = {k.strip() for k in a.kinds.split(",") if k.strip()}
+  if not a.kinds or not a.kinds <= {"writes", "calls"}:
+    p.error(f"--kinds must be writes, calls or writes,calls, got {','.join(sorted(a.kinds))!r}")
   if a.limit < 0 or a.batch_size < 1 or a.max_new_tokens < 1:
     p.error("--limit must be >= 0, --batch-size and --max-new-tokens >= 1")
   return a
@@ -40,9 +45,10 @@ def main(argv=None):
   from mdlm_jax.sampling.generate import ARGenerator
   from mdlm_jax.server import chat_template
   try:
-    records = self_distill.requests_of(self_distill.read_jsonl(a.instructions))
+    records = [r for r in self_distill.requests_of(self_distill.read_jsonl(a.instructions))
+               if ("calls" if "tools" in r else "writes") in a.kinds]
     if not records:
-      raise ValueError(f"{a.instructions}: no conversation starts with a user turn")
+      raise ValueError(f"{a.instructions}: no {' or '.join(sorted(a.kinds))} record starts with a user turn")
     random.Random(a.seed).shuffle(records)
     # Answered shortest prompt first: a batch's rows pad to one width, and each width compiles once.
     records = sorted(records[:a.limit or None], key=lambda r: len(r["messages"][0]["content"]))
