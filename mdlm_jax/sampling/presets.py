@@ -81,6 +81,8 @@ def adapt_to_model(sampler, model_block_size: int):
 
 
 PRESET_BLOCK = 8  # the block the presets' floors were chosen for (the packaged BD3 model's)
+# On an adapted AR model these commit the base's own token and only confident ones beside it.
+BASE_FIRST_EFFORTS = ("medium", "high")
 
 
 def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, in_order: bool = False,
@@ -90,16 +92,17 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
   exact full-canvas passes unless `kv_cache=True`). An explicit
   `block_size` override wins over the model's. `in_order` (an AR model
   adapted to diffusion, model.clean_causal): the floor commits the leftmost
-  undecided tokens, the first of which its base predicts exactly, so no
-  effort decodes worse than the base's greedy text at temperature 0; the
-  floor keeps its share of the block (a block of 2 at `medium`: 1 token a
-  pass, plus the one after it when 90% sure)."""
+  undecided tokens, the first of which its base predicts exactly. At
+  `medium` and `high` the floor is that one token, so at temperature 0 they
+  never write worse than the base's greedy text and every other token they
+  commit (90% or 95% sure) is speed; `low` and `instant` keep their share of
+  the block (half of it, all of it), trading quality for passes."""
   s = sampler_for(effort, sampler=sampler, **overrides)
   s = s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)
   if model_block_size <= 0 and overrides.get("kv_cache") is None and hasattr(s, "kv_cache"):
     s = dataclasses.replace(s, kv_cache=False)  # exact unless the caller opts into the approximation
   if in_order and isinstance(s, ThresholdSampler):
-    floor = s.min_tokens if overrides.get("min_tokens") is not None else max(
-        1, s.min_tokens * s.block_size // PRESET_BLOCK)
+    share = 1 if effort in BASE_FIRST_EFFORTS else max(1, s.min_tokens * s.block_size // PRESET_BLOCK)
+    floor = s.min_tokens if overrides.get("min_tokens") is not None else share
     s = dataclasses.replace(s, in_order=True, min_tokens=floor)
   return s

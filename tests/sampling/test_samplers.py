@@ -346,5 +346,9 @@ def test_adapted_ar_models_decode_in_order_with_the_floors_share_of_the_block():
   medium, instant = for_model("medium", 2, in_order=True), for_model("instant", 2, in_order=True)
   assert (medium.block_size, medium.min_tokens, medium.in_order, medium.threshold) == (2, 1, True, 0.9)
   assert (instant.min_tokens, instant.in_order) == (2, True)
-  assert for_model("high", 8, in_order=True).min_tokens == 2 and not for_model("high", 8).in_order
+  # medium and high keep the base's guarantee at any block (one token in order, more only when sure).
+  for effort in ("medium", "high"):
+    assert for_model(effort, 4, in_order=True).min_tokens == 1 and for_model(effort, 8, in_order=True).min_tokens == 1
+  assert for_model("instant", 4, in_order=True).min_tokens == 4 and for_model("low", 4, in_order=True).min_tokens == 2
+  assert for_model("high", 8).min_tokens == 2 and not for_model("high", 8).in_order
   assert for_model("medium", 2, in_order=True, min_tokens=2).min_tokens == 2  # an explicit floor is kept
