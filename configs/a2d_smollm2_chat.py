@@ -32,8 +32,10 @@ from mdlm_jax.config import load_config_file
 def get_config():
   c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "a2d_smollm2.py"))
   c.diffusion.block_size = 4
-  # Prompts with the default system turn take about 60 tokens; answers up to 384.
-  c.data.update(kind="chat", corpus="data/a2d_chat", seq_len=512, length_buckets="256")
+  # Prompts with the default system turn take about 60 tokens; answers up to 320. Batch 4:
+  # batch 8 of 512-token rows (the dense [L, 2L] mask, the model's and the base's vocabulary
+  # distributions) passes the 24 GiB of the development machine.
+  c.data.update(kind="chat", corpus="data/a2d_chat", seq_len=512, length_buckets="256", batch_size=4)
   c.optim.update(learning_rate=3e-4, warmup_steps=20)
   c.train.update(num_steps=2000, eval_every=200, eval_batches=2, checkpoint_every=50)
   return c
