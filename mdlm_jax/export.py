@@ -106,7 +106,8 @@ def export_folder(a, max_shard: int) -> tuple[str, int]:
     return out, loaded.step
   base = None
   if a.adapters_only:
-    base = loaded.config.train.init_from
+    from mdlm_jax.checkpoints.loading import frozen_base
+    base = frozen_base(loaded.config)  # through earlier adapter stages, to the weights they all kept
     if not base or loaded.config.train.trainable != "adapters":
       raise ValueError("--adapters-only exports a run that trained adapters alone (train.trainable=adapters) over"
                        " a train.init_from base")

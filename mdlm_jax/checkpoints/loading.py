@@ -102,6 +102,37 @@ def _base_template(config: ml_collections.ConfigDict) -> str | None:
   return chat_template.from_folder(base) if os.path.isdir(base) else None
 
 
+def frozen_base(config: ml_collections.ConfigDict) -> str:
+  """The model whose weights an adapters-only run kept frozen: its
+  train.init_from, followed back through earlier adapter stages (a training
+  run or an adapters-only folder that itself trained adapters over a base) to
+  the first model that is not one (a registry name, a GGUF file, a full
+  checkpoint). "" when the run started from nothing."""
+  import json
+  from mdlm_jax.checkpoints import gguf_file, registry
+  base, seen = config.train.init_from, set()
+  while base and base not in registry.MODELS and os.path.exists(base) and not gguf_file.is_gguf(base):
+    if base in seen:
+      raise ValueError(f"train.init_from loops back to {base}")
+    seen.add(base)
+    if params_only.is_params_dir(base):
+      with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+      if not meta.get("base"):
+        return base
+      base = meta["base"]
+      continue
+    try:
+      meta, _, _ = checkpointer.read_meta(base)
+    except checkpointer.CheckpointError:
+      return base  # a Hugging Face folder, or anything else load reads whole
+    earlier = config_lib.complete(meta["config"]).train
+    if earlier.trainable != "adapters" or not earlier.init_from:
+      return base
+    base = earlier.init_from
+  return base
+
+
 def _base_weights(base: str, path: str) -> dict:
   """The named float32 weights of the base an adapters-only folder names (any
   checkpoint `load` reads: a registry name, GGUF file, folder or training run)."""

@@ -260,3 +260,14 @@ def test_adapters_train_alone_over_a_frozen_base_and_ship_alone(tiny_checkpoints
   with pytest.raises(ValueError, match="--adapters-only exports a run that trained adapters"):
     export.export_folder(export.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", f"--out={tmp_path / 'no'}",
                                  "--adapters-only"]), 2**30)
+  # A later stage over this one (a run, or its shipped adapters) keeps the same frozen weights: its
+  # adapters-only export names the first base, not the stage it started from.
+  from mdlm_jax.checkpoints.loading import frozen_base
+  assert json.load(open(out / "config.json"))["base"] == tiny_checkpoints["ar"]
+  for earlier in (str(tmp_path / "a2d"), str(out)):
+    c.train.init_from = earlier
+    assert frozen_base(c) == tiny_checkpoints["ar"]
+  c.train.init_from = tiny_checkpoints["mdlm"]  # a full checkpoint is a base itself
+  assert frozen_base(c) == tiny_checkpoints["mdlm"]
+  c.train.init_from = "smollm2-135m-instruct"
+  assert frozen_base(c) == "smollm2-135m-instruct"
