@@ -555,6 +555,31 @@ def _engine_failure(ev) -> APIError | None:
   return None
 
 
+@dataclasses.dataclass
+class _Answer:
+  """One response being made: the engine requests of its choices and what
+  the response body and the metrics need to say about them."""
+  state: ServerState
+  request: Request
+  kind: str  # "chat", "completions" or "fim"
+  s: Sampling
+  reqs: list[EngineRequest]
+  handles: list
+  echo: list[str]  # text each choice starts with (completions' echo)
+  prompt_tokens: int
+  calls: bool  # the answer may hold tool calls, returned as `tool_calls`
+  rid: str
+  created: int
+  t0: float
+
+  def done(self, completion: int, reasons: list[str]) -> None:
+    self.state.metrics.tokens(self.prompt_tokens, completion)
+    self.state.metrics.latency(time.perf_counter() - self.t0)
+    self.state.metrics.request(self.kind, 200)
+    log.info("%s %s user=%s prompt_tokens=%d completion_tokens=%d finish=%s", self.rid, self.kind, self.s.user,
+             self.prompt_tokens, completion, ",".join(reasons))
+
+
 async def _generate(state: ServerState, request: Request, kind: str, prompts: list[Prompt], s: Sampling,
                     suffix: str = "", grammar: Grammar | None = None, end_ids: tuple[int, ...] = (),
                     calls: bool = False):
@@ -565,54 +590,61 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
   echo = [p.echo for p in prompts for _ in range(s.n)]
   t0 = time.perf_counter()
   handles = _submit_all(state, reqs, want_drafts=s.diffusing)
-  rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
-  created = int(time.time())
-
-  def done(completion: int, reasons: list[str]) -> None:
-    state.metrics.tokens(prompt_tokens, completion)
-    state.metrics.latency(time.perf_counter() - t0)
-    state.metrics.request(kind, 200)
-    log.info("%s %s user=%s prompt_tokens=%d completion_tokens=%d finish=%s", rid, kind, s.user, prompt_tokens,
-             completion, ",".join(reasons))
-
+  a = _Answer(state, request, kind, s, reqs, handles, echo, prompt_tokens, calls,
+              ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), int(time.time()), t0)
   if not s.stream:
-    finals = {}
-    entries = [[] if s.logprobs is not None else None for _ in reqs]
-    try:
-      async for i, ev in _events(handles, request):
-        if ev.logprobs is not None and entries[i] is not None:
-          entries[i] += ev.logprobs
-        if ev.kind == "done":
-          finals[i] = ev
-    finally:
-      for h in handles:
-        h.cancel()  # a client that went away frees its slots; finished ones ignore this
-    for ev in finals.values():
-      if (err := _engine_failure(ev)) is not None:
-        raise err
-    completion = sum(ev.completion_tokens for ev in finals.values())
-    passes = sum(ev.passes for ev in finals.values())
-    done(completion, [finals[i].finish_reason for i in range(len(reqs))])
-    choices = []
-    for i in range(len(reqs)):
-      ev = finals[i]
-      if kind == "chat" and calls:
-        content, made = tools_lib.split(ev.text)
-        message = {"role": "assistant", "content": content}
-        if made:
-          message["tool_calls"] = [c.message() for c in made]
-        choices.append({"index": i, "message": message, "logprobs": None,
-                        "finish_reason": "tool_calls" if made and ev.finish_reason == "stop" else ev.finish_reason})
-      elif kind == "chat":
-        choices.append({"index": i, "message": {"role": "assistant", "content": ev.text},
-                        "logprobs": _logprobs_body(state, kind, entries[i]), "finish_reason": ev.finish_reason})
-      else:
-        choices.append({"index": i, "text": echo[i] + ev.text, "logprobs": _logprobs_body(state, kind, entries[i]),
-                        "finish_reason": ev.finish_reason})
-    return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                         "created": created, "model": state.model_id, "choices": choices,
-                         "usage": _usage(prompt_tokens, completion, passes)})
+    return await _whole(a)
+  return StreamingResponse(_chunks(a), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
+async def _whole(a: _Answer) -> JSONResponse:
+  """The response to a request without `stream`: every choice at its end."""
+  state, request, kind, s, reqs, handles, echo = a.state, a.request, a.kind, a.s, a.reqs, a.handles, a.echo
+  prompt_tokens, calls, rid, created, done = a.prompt_tokens, a.calls, a.rid, a.created, a.done
+  finals = {}
+  entries = [[] if s.logprobs is not None else None for _ in reqs]
+  try:
+    async for i, ev in _events(handles, request):
+      if ev.logprobs is not None and entries[i] is not None:
+        entries[i] += ev.logprobs
+      if ev.kind == "done":
+        finals[i] = ev
+  finally:
+    for h in handles:
+      h.cancel()  # a client that went away frees its slots; finished ones ignore this
+  for ev in finals.values():
+    if (err := _engine_failure(ev)) is not None:
+      raise err
+  completion = sum(ev.completion_tokens for ev in finals.values())
+  passes = sum(ev.passes for ev in finals.values())
+  done(completion, [finals[i].finish_reason for i in range(len(reqs))])
+  choices = []
+  for i in range(len(reqs)):
+    ev = finals[i]
+    if kind == "chat" and calls:
+      content, made = tools_lib.split(ev.text)
+      message = {"role": "assistant", "content": content}
+      if made:
+        message["tool_calls"] = [c.message() for c in made]
+      choices.append({"index": i, "message": message, "logprobs": None,
+                      "finish_reason": "tool_calls" if made and ev.finish_reason == "stop" else ev.finish_reason})
+    elif kind == "chat":
+      choices.append({"index": i, "message": {"role": "assistant", "content": ev.text},
+                      "logprobs": _logprobs_body(state, kind, entries[i]), "finish_reason": ev.finish_reason})
+    else:
+      choices.append({"index": i, "text": echo[i] + ev.text, "logprobs": _logprobs_body(state, kind, entries[i]),
+                      "finish_reason": ev.finish_reason})
+  return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                       "created": created, "model": state.model_id, "choices": choices,
+                       "usage": _usage(prompt_tokens, completion, passes)})
+
+
+async def _chunks(a: _Answer):
+  """The server-sent events of a streamed response: deltas (or whole drafts
+  with `diffusing`), tool calls as they close, each choice's end, the usage."""
+  state, request, kind, s, reqs, handles, echo = a.state, a.request, a.kind, a.s, a.reqs, a.handles, a.echo
+  prompt_tokens, calls, rid, created, done = a.prompt_tokens, a.calls, a.rid, a.created, a.done
   call_streams = [tools_lib.CallStream() for _ in reqs] if calls else None
   answers = [""] * len(reqs)
   streamed = [0] * len(reqs)  # characters sent per choice (completions' text_offset)
@@ -621,64 +653,60 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
     for delta in call_streams[i].feed(answers[i], final=final):
       yield _sse(_delta_chunk(rid, state, created, i, delta))
 
-  async def stream():
-    completion, reasons, passes = 0, [], 0
-    try:
-      for i in range(len(reqs)):
-        if kind == "chat":
-          yield _sse(_chunk(kind, rid, state, created, i, "", None, role=True))
-        elif echo[i] and not s.diffusing:
-          yield _sse(_chunk(kind, rid, state, created, i, echo[i], None))
-      async for i, ev in _events(handles, request):
-        if ev.kind == "draft" and s.diffusing:
+  completion, reasons, passes = 0, [], 0
+  try:
+    for i in range(len(reqs)):
+      if kind == "chat":
+        yield _sse(_chunk(kind, rid, state, created, i, "", None, role=True))
+      elif echo[i] and not s.diffusing:
+        yield _sse(_chunk(kind, rid, state, created, i, echo[i], None))
+    async for i, ev in _events(handles, request):
+      if ev.kind == "draft" and s.diffusing:
+        yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
+      elif ev.kind == "delta" and not s.diffusing and calls:
+        answers[i] += ev.text
+        for chunk in call_chunks(i, final=False):
+          yield chunk
+      elif ev.kind == "delta" and not s.diffusing:
+        chunk = _chunk(kind, rid, state, created, i, ev.text, None)
+        if s.logprobs is not None:
+          chunk["choices"][0]["logprobs"] = _logprobs_body(state, kind, ev.logprobs or [], streamed[i])
+        streamed[i] += len(ev.text)
+        yield _sse(chunk)
+      elif ev.kind == "done":
+        if (err := _engine_failure(ev)) is not None:
+          # Ended by the engine, not by the model: say so, as OpenAI's
+          # clients read it (an error event raises in them), and stop.
+          yield _sse(err.body())
+          state.metrics.request(kind, err.status)
+          return
+        completion += ev.completion_tokens
+        passes += ev.passes
+        reasons.append(ev.finish_reason)
+        finish = ev.finish_reason
+        if s.diffusing:  # the last draft is the answer itself (calls as written)
           yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
-        elif ev.kind == "delta" and not s.diffusing and calls:
-          answers[i] += ev.text
-          for chunk in call_chunks(i, final=False):
+          if calls and tools_lib.split(ev.text)[1] and finish == "stop":
+            finish = "tool_calls"
+        elif calls:
+          answers[i] = ev.text
+          for chunk in call_chunks(i, final=True):
             yield chunk
-        elif ev.kind == "delta" and not s.diffusing:
-          chunk = _chunk(kind, rid, state, created, i, ev.text, None)
-          if s.logprobs is not None:
-            chunk["choices"][0]["logprobs"] = _logprobs_body(state, kind, ev.logprobs or [], streamed[i])
-          streamed[i] += len(ev.text)
-          yield _sse(chunk)
-        elif ev.kind == "done":
-          if (err := _engine_failure(ev)) is not None:
-            # Ended by the engine, not by the model: say so, as OpenAI's
-            # clients read it (an error event raises in them), and stop.
-            yield _sse(err.body())
-            state.metrics.request(kind, err.status)
-            return
-          completion += ev.completion_tokens
-          passes += ev.passes
-          reasons.append(ev.finish_reason)
-          finish = ev.finish_reason
-          if s.diffusing:  # the last draft is the answer itself (calls as written)
-            yield _sse(_chunk(kind, rid, state, created, i, echo[i] + ev.text, None))
-            if calls and tools_lib.split(ev.text)[1] and finish == "stop":
-              finish = "tool_calls"
-          elif calls:
-            answers[i] = ev.text
-            for chunk in call_chunks(i, final=True):
-              yield chunk
-            if call_streams[i].calls and finish == "stop":
-              finish = "tool_calls"
-          last = _chunk(kind, rid, state, created, i, None if kind == "chat" else "", finish)
-          if s.logprobs is not None and ev.logprobs:  # tokens whose text no delta carried (cut by a stop)
-            last["choices"][0]["logprobs"] = _logprobs_body(state, kind, ev.logprobs, streamed[i])
-          yield _sse(last)
-      if s.include_usage:
-        yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                    "created": created, "model": state.model_id, "choices": [],
-                    "usage": _usage(prompt_tokens, completion, passes)})
-      yield "data: [DONE]\n\n"
-      done(completion, reasons)
-    finally:
-      for h in handles:
-        h.cancel()  # the client went away (or we are done): free the slots
-
-  return StreamingResponse(stream(), media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+          if call_streams[i].calls and finish == "stop":
+            finish = "tool_calls"
+        last = _chunk(kind, rid, state, created, i, None if kind == "chat" else "", finish)
+        if s.logprobs is not None and ev.logprobs:  # tokens whose text no delta carried (cut by a stop)
+          last["choices"][0]["logprobs"] = _logprobs_body(state, kind, ev.logprobs, streamed[i])
+        yield _sse(last)
+    if s.include_usage:
+      yield _sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                  "created": created, "model": state.model_id, "choices": [],
+                  "usage": _usage(prompt_tokens, completion, passes)})
+    yield "data: [DONE]\n\n"
+    done(completion, reasons)
+  finally:
+    for h in handles:
+      h.cancel()  # the client went away (or we are done): free the slots
 
 
 def api_key_from_env(flag: str | None) -> str | None:
