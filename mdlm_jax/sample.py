@@ -18,6 +18,7 @@ from mdlm_jax import cli
 
 def parse(argv):
   from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
+  from mdlm_jax.sampling.samplers import SAMPLERS
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.sample", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir or checkpoint folder (default: the packaged model)")
   p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
@@ -29,7 +30,7 @@ def parse(argv):
   p.add_argument("--infill-lengths", default=None,
                  help="with --suffix: try these middle lengths (e.g. 8,16,32) and keep the most likely")
   p.add_argument("--effort", default=DEFAULT_EFFORT, choices=EFFORTS, help="speed/quality preset")
-  p.add_argument("--sampler", choices=("ancestral", "low_confidence", "threshold"), default=None,
+  p.add_argument("--sampler", choices=sorted(SAMPLERS), default=None,
                  help="use this sampler instead of the preset's")
   p.add_argument("--steps", type=int, default=None, help="refinement steps (per block)")
   p.add_argument("--block-size", type=int, default=None, help="semi-autoregressive block size (0: one block)")

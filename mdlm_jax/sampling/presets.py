@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mdlm_jax.sampling.samplers import AncestralSampler, LowConfidenceSampler, ThresholdSampler
+from mdlm_jax.sampling.samplers import SAMPLERS, ThresholdSampler
 
 BLOCK = 32  # the block size of models not trained with BD3-LM
 
@@ -53,11 +53,11 @@ def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, **o
     raise ValueError(f"unknown effort {effort!r}; choose from {', '.join(EFFORTS)}")
   base = PRESETS[effort]
   if sampler is not None:
-    kinds = {"ancestral": AncestralSampler(), "low_confidence": LowConfidenceSampler(block_size=BLOCK, kv_cache=True),
-             "threshold": ThresholdSampler(block_size=BLOCK, kv_cache=True)}
-    if sampler not in kinds:
-      raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(kinds)}")
-    base = kinds[sampler]
+    if sampler not in SAMPLERS:
+      raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(SAMPLERS)}")
+    kind = SAMPLERS[sampler]  # cached blocks where the sampler has them, as the presets decode
+    base = kind(block_size=BLOCK, kv_cache=True) if "kv_cache" in {f.name for f in dataclasses.fields(kind)} \
+        else kind()
   unknown = set(overrides) - set(_OVERRIDES)
   if unknown:
     raise TypeError(f"sampler_for got unknown settings {sorted(unknown)}")
