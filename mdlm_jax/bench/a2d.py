@@ -46,18 +46,20 @@ def parse(argv):
   return a
 
 
-def base_of(path: str) -> str:
-  """The `base` an adapters-only folder names, or the run's train.init_from."""
+def base_of(path: str, adapted) -> str:
+  """The frozen base of `adapted` (loaded from `path`): the `base` an
+  adapters-only folder names, else its train.init_from followed back
+  through earlier adapter stages."""
   import json
   import os
+  from mdlm_jax.checkpoints.loading import frozen_base
   meta = os.path.join(path, "config.json")
   if os.path.isfile(meta):
     with open(meta, encoding="utf-8") as f:
       base = json.load(f).get("base")
     if base:
       return base
-  from mdlm_jax import checkpoints
-  base = checkpoints.load(path).config.train.init_from
+  base = frozen_base(adapted.config)
   if not base:
     raise ValueError(f"{path} names no base: pass --base")
   return base
@@ -91,7 +93,8 @@ def main(argv=None):
   path = a.checkpoint or packaged.path()
   try:
     adapted = checkpoints.load(path)
-    base = checkpoints.load(a.base or base_of(path))
+    base_name = a.base or base_of(path, adapted)
+    base = checkpoints.load(base_name)
     if not base.spec.cfg.causal or adapted.spec.cfg.causal:
       raise ValueError("bench a2d compares a diffusion checkpoint with its AR base")
     if adapted.tokenizer.to_bytes() != base.tokenizer.to_bytes():
@@ -100,7 +103,7 @@ def main(argv=None):
     cli.fail("bench a2d", e)
   problems = humaneval_problems(a.cache or humaneval.parse([]).cache)
   tasks = humaneval.chat_tasks(problems[:a.limit or None])
-  result = {"bench": "a2d", "checkpoint": path, "base": a.base or base_of(path), "problems": len(tasks),
+  result = {"bench": "a2d", "checkpoint": path, "base": base_name, "problems": len(tasks),
             "humaneval_chat": {}, "code": {}}
   print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
   result["humaneval_chat"]["base"] = humaneval_chat(humaneval.ARBackend(base, temperature=0.0, batch=1), tasks,

@@ -22,7 +22,7 @@ def adapters_over(base_path: str, out: str) -> str:
 @pytest.mark.slow  # an engine, a generator and an AR decoder compile (about a minute on 2 cores)
 def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_path, capsys):  # noqa: F811
   folder = adapters_over(tiny_checkpoints["ar"], str(tmp_path / "adapted"))
-  assert a2d.base_of(folder) == tiny_checkpoints["ar"]
+  assert a2d.base_of(folder, checkpoints.load(folder)) == tiny_checkpoints["ar"]
   a2d.main([f"--checkpoint={folder}", f"--cache={cache}", "--limit=2", "--answer-tokens=8", "--efforts=medium",
             "--code-prompts=2", "--prompt-tokens=16", "--new-tokens=8", "--json"])
   res = json.loads(capsys.readouterr().out)
