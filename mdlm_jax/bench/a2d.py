@@ -1,6 +1,6 @@
 """An AR model adapted to diffusion against its base, in one sitting:
 
-  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--limit N]
+  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--no-revise] [--limit N]
       [--code-prompts 8] [--json] [--out F.json]
 
 Every figure of the adapted model (default: the packaged one) is set beside
@@ -12,7 +12,9 @@ the same prompts, on this machine, at batch 1:
 - held-out code completions (the held-out files of --corpus, default the
   standard library, as `bench sample` cuts them): tokens per pass and per second, the share
   that parses, and the base's perplexity of the completions (gen-PPL);
-- the speed ratio to the base at each effort.
+- the speed ratio to the base at each effort;
+- each effort again with revision (`revise`: drafts kept only where the
+  base's causal pass agrees, so the text is the base's own).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def parse(argv):
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
   p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
   p.add_argument("--efforts", default="medium,high", help=f"comma-separated, of {', '.join(EFFORTS)}")
+  p.add_argument("--revise", action=argparse.BooleanOptionalAction, default=True,
+                 help="also each effort with revise=True (drafts kept only where the base agrees)")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -116,8 +120,16 @@ def main(argv=None):
       result["humaneval_chat"][effort] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:
       backend.close()
+  # Revising settings decode through the one-shot generator (the engine serves the rule without revision).
+  one_shot = {f"{e}+revise": presets.for_model(e, adapted.config.diffusion.block_size, in_order=True, revise=True,
+                                               temperature=0.0)
+              for e in (a.efforts if a.revise else ())}
+  for name, sampler in one_shot.items():
+    print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
+    result["humaneval_chat"][name] = humaneval_chat(humaneval.SamplerBackend(adapted, sampler), tasks,
+                                                    a.answer_tokens)
   he = result["humaneval_chat"]
-  for effort in a.efforts:
+  for effort in [*a.efforts, *one_shot]:
     he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)
     he[effort]["speed_vs_base"] = he[effort]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
   if a.code_prompts:
@@ -133,6 +145,8 @@ def main(argv=None):
     for effort in a.efforts:
       sampler = presets.for_model(effort, adapted.config.diffusion.block_size, in_order=adapted.spec.cfg.clean_causal)
       result["code"][effort] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
+    for name, sampler in one_shot.items():
+      result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
   emit(result, a)
 
 

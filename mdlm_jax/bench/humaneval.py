@@ -328,6 +328,46 @@ class ARBackend:
     pass
 
 
+class SamplerBackend:
+  """A diffusion checkpoint decoded by one sampler through the one-shot
+  generator: for decoders the engine does not serve (`sampler=speculative`)."""
+
+  def __init__(self, loaded, sampler, *, batch: int = 1):
+    from mdlm_jax.sampling.generate import Generator
+    self.gen, self.sampler, self.batch = Generator(loaded), sampler, batch
+
+  def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:
+    if any(suffixes):
+      raise ValueError("SamplerBackend answers prompts only: run --modes=complete or chat")
+    out = []
+    progress = Progress("answers", len(prefixes))
+    for p, n in zip(prefixes, _each(max_tokens, len(prefixes))):
+      out.append(self.gen.generate([p], max_new_tokens=n, sampler=self.sampler, seed=seed, stop=stop)
+                 .completions[0].text)
+      progress.advance()
+    return out
+
+  def chat(self, requests: Sequence[str], *, max_tokens: int, seed: int) -> tuple[list[str], dict]:
+    """Answers through the checkpoint's chat template, and {tokens, passes}
+    (every pass counted, the one that reads the prompt too)."""
+    from mdlm_jax.server import chat_template
+    out, stats = [], {"tokens": 0, "passes": 0}
+    progress = Progress("answers", len(requests))
+    for text in requests:
+      prompt, stops, add_bos = chat_template.render([{"role": "user", "content": text}], self.gen.loaded.chat_template,
+                                                    self.gen.tok)
+      r = self.gen.generate([prompt], max_new_tokens=max_tokens, sampler=self.sampler, seed=seed, stop=stops,
+                            add_bos=add_bos)
+      out.append(r.completions[0].text)
+      stats["tokens"] += len(r.completions[0].tokens)
+      stats["passes"] += r.forward_passes
+      progress.advance()
+    return out, stats
+
+  def close(self):
+    pass
+
+
 def _each(max_tokens, n: int) -> list[int]:
   """One max_tokens per request: a bound for all, or each its own."""
   if isinstance(max_tokens, int):

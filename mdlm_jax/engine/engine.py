@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mdlm_jax.checkpoints.loading import LoadedModel
@@ -63,7 +64,7 @@ class Handle:
     # Engine bookkeeping.
     self.slot: int | None = None
     self.emitted = ""
-    self.blocks_seen = -1  # finished blocks at the last publish
+    self.kept_seen = -1  # tokens kept in order (finished blocks' or verified) at the last publish
     self.constraint: grammar_lib.Constraint | None = None
     self.logprobs_sent = 0  # tokens whose log-probabilities went out
     # Prefill progress: tokens of the request's fixed row sent to the device,
@@ -451,6 +452,14 @@ class Engine:
       raise ValueError(f"the engine decodes with a KV-cached ThresholdSampler in blocks of {self.sc.block_size}"
                        f" (engine.sampler_for builds one); got {smp!r}")
     smp.check_vocabulary(self.sc.vocab_size)
+    if smp.revise:
+      if not self.loaded.spec.cfg.clean_causal:
+        raise ValueError("revise keeps the drafts its base agrees with: it needs an AR model adapted to diffusion"
+                         " (model.clean_causal)")
+      if r.suffix_ids:
+        raise ValueError("revise writes left to right: it cannot infill against a suffix")
+      if r.grammar is not None:
+        raise ValueError("revise does not run under a grammar (a taken-back token would unwind the grammar's state)")
 
   def _mesh_context(self):
     import contextlib
@@ -562,7 +571,9 @@ class Engine:
     self._guided_view = None
     busy = [i for i, h in enumerate(self._slots) if h is not None and not h.prefilling]
     if busy:
-      turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy)
+      turn.revising = any(self._slots[i].request.sampler.revise for i in busy)
+      # Revising rows carry a head every pass: they never wait for one.
+      turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy) or turn.revising
       turn.guided = any(self._slots[i].constraint is not None for i in busy)
       turn.logprobs = any(self._slots[i].request.logprobs is not None for i in busy)
     return turn
@@ -636,7 +647,7 @@ class Engine:
                           np.stack([turn.admits[i][2] for i in group]), np.asarray([last[i] for i in group]),
                           resume=resume)
     if turn.rows:
-      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides)
+      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides, turn.revising)
 
   def _guide_arrays(self, guides):
     """`slots.guide`'s operands for a turn's guides: tokens land at their
@@ -658,15 +669,17 @@ class Engine:
     return self._few if token_rows <= FEW_ROWS else self._many
 
   def _run_pass(self, rows: int, with_head: bool, guided: bool = False, logprobs: bool = False,
-                guides=()) -> None:
+                guides=(), revising: bool = False) -> None:
     """One refinement pass over slots [0, rows): each carries its block, and
     with `with_head` the finished block before it too. `guided`: the pass
     for while a constrained request is busy, the host's `guides` for the
-    constrained rows written first in the same program (one dispatch a pass)."""
+    constrained rows written first in the same program (one dispatch a pass).
+    `revising`: a busy request revises (`slots.step`)."""
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
-    self._signatures["passes"].add((id(model), rows, with_head, logprobs, guided))
-    self._state = step(model.params, self._state, ops, rows=rows, with_head=with_head, logprobs=logprobs)
+    self._signatures["passes"].add((id(model), rows, with_head, logprobs, guided, revising))
+    self._state = step(model.params, self._state, ops, rows=rows, with_head=with_head, logprobs=logprobs,
+                       revising=revising)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
@@ -681,7 +694,8 @@ class Engine:
     for `_logprobs` to read the rows it needs; with several, gathered (a
     collective every process runs alike)."""
     s = self._state
-    arrays = (s.gen, s.block, s.active, s.passes, s.head)
+    kept = jnp.where(s.decoding.revise, s.filled, s.block * self.sc.block_size)  # tokens kept in order
+    arrays = (s.gen, kept, s.active, s.passes, s.head)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
     single = jax.process_count() == 1
@@ -727,18 +741,17 @@ class Engine:
     self.stats["finished"] += 1
 
   def _publish(self, arrays) -> None:
-    gen, block, active, passes, head, logprobs = arrays
+    gen, kept, active, passes, head, logprobs = arrays
     self._head = head & active
-    bs = self.sc.block_size
     for row, h in enumerate(self._slots):
       if h is None or h.prefilling:
         continue
-      if not h.want_drafts and active[row] and int(block[row]) == h.blocks_seen:
-        continue  # no block finished since the last pass: no new text, no end
-      h.blocks_seen = int(block[row])
+      if not h.want_drafts and active[row] and int(kept[row]) == h.kept_seen:
+        continue  # nothing kept since the last pass: no new text, no end
+      h.kept_seen = int(kept[row])
       r = h.request
       ids = gen[row, :r.max_tokens]
-      end = finish(self.tok, ids[:int(block[row]) * bs], max_tokens=r.max_tokens, stop=r.stop,
+      end = finish(self.tok, ids[:int(kept[row])], max_tokens=r.max_tokens, stop=r.stop,
                    final=not active[row])
       text, done = end.text, end.done
       if h.want_drafts:

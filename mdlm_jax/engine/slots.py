@@ -43,6 +43,12 @@ class Slots:
   decoding: rule.Decoding  # each request's settings of the refinement rule
   key: jax.Array  # [s, 2] uint32: each request's PRNG key data
   passes: Int[Array, "s"]  # forward passes that carried the request
+  # Revising rows (decoding.revise) slide instead of stepping through blocks:
+  # `filled` tokens kept in order; the next pass's head is `ahead`, the base's
+  # next token and `n_ahead` drafts (-1: empty, right after the prompt).
+  filled: Int[Array, "s"]
+  ahead: Int[Array, "s b"]
+  n_ahead: Int[Array, "s"]
   # Grammar-constrained requests (see `guide`): the host commits their tokens.
   constrained: Bool[Array, "s"]
   cursor: Int[Array, "s"]  # first undecided column: where `allowed` applies
@@ -103,7 +109,8 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
                gen=jnp.full((s, g), sc.mask_id, jnp.int32), prompt_len=zeros(), block=zeros(), step=zeros(),
                head=flags(), active=flags(), n_blocks=zeros(),
                decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
-               key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), constrained=flags(), cursor=zeros(),
+               key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), filled=zeros(),
+               ahead=jnp.zeros((s, bs), jnp.int32), n_ahead=zeros(), constrained=flags(), cursor=zeros(),
                allowed=jnp.zeros((s, grammar.bitmask_words(spec.cfg.vocab_size)), jnp.uint32),
                proposal=jnp.zeros((s, bs), jnp.int32), picked=jnp.zeros((s, bs), bool), proposed=flags(),
                logp=jnp.zeros((s, g), jnp.float32), top_ids=jnp.zeros((s, g, TOP_LOGPROBS), jnp.int32),
@@ -163,7 +170,9 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
   passes = jnp.take(slots.passes, rows, mode="fill", fill_value=0) + 1 if resume else 1
   return slots.replace(
       cache=cache, gen=put(slots.gen, sc.mask_id), prompt_len=put(slots.prompt_len, gen_position),
-      block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, False),
+      # A revising row always carries a head (its first, empty): it rides every pass that has them.
+      block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, decoding.revise),
+      filled=put(slots.filled, 0), n_ahead=put(slots.n_ahead, -1),
       active=put(slots.active, last), n_blocks=put(slots.n_blocks, n_blocks),
       decoding=jax.tree.map(put, slots.decoding, decoding), key=put(slots.key, key_data),
       passes=put(slots.passes, passes), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
@@ -175,7 +184,7 @@ def cancel(slots: Slots, row) -> Slots:
 
 
 def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True, guided: bool = False,
-         logprobs: bool = False) -> Slots:
+         logprobs: bool = False, revising: bool = False) -> Slots:
   """One refinement pass over every slot (idle slots ride along, committing nothing).
 
   with_head=True: each slot sends [its finished block, if any | its current
@@ -183,18 +192,47 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   half as long, current blocks only; slots whose finished block still waits
   for the cache sit this pass out unchanged. A block's second and later passes
   need no head, so the engine alternates the two and no pass carries a
-  finished-block's worth of dead tokens for every slot."""
+  finished-block's worth of dead tokens for every slot.
+
+  `revising` (static; an adapted AR model, with_head): revising rows send
+  [their next token and drafts | a masked block after them] instead, and keep
+  what the base's causal pass verifies (`rule.verify`); the others decode
+  their blocks as above in the same pass."""
   model = bind(spec, params)
   bs = sc.block_size
   lo = s.block * bs
+  lane = jnp.arange(bs, dtype=jnp.int32)[None]
   take = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, bs))
   tail = take(s.gen, jnp.minimum(lo, sc.max_new_tokens - bs))
-  tail_pos = (s.prompt_len + lo)[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+  tail_pos = (s.prompt_len + lo)[:, None] + lane
   t = jnp.mean(tail == sc.mask_id, axis=-1).astype(jnp.float32) if spec.cfg.time_conditioning else None
-  if with_head:
-    moving = s.active
+  d = s.decoding
+  columns = lo[:, None] + lane
+  keys = rule.pass_keys(s.key, s.block, s.step)
+  rev = s.decoding.revise & s.active
+  block_rows = s.active & ~s.decoding.revise  # revising rows move only in revising passes
+  if revising:
+    if not with_head:
+      raise ValueError("revising rows need passes with heads")
+    moving = block_rows
+    head_valid = s.head & moving
+    at = (s.prompt_len + s.filled)[:, None]
+    r = rev[:, None]
+    tokens = jnp.where(r, jnp.concatenate([s.ahead, jnp.full_like(tail, sc.mask_id)], 1),
+                       jnp.concatenate([take(s.gen, jnp.maximum(lo - bs, 0)), tail], 1))
+    positions = jnp.where(r, jnp.concatenate([at + lane, at + s.n_ahead[:, None] + 1 + lane], 1),
+                          jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], 1))
+    logits, pending = model.forward_speculative(tokens, positions, s.cache,
+                                                jnp.where(r, lane <= s.n_ahead[:, None], head_valid[:, None]))
+    col = s.filled[:, None] + lane
+    columns = jnp.where(r, jnp.concatenate([col, col + s.n_ahead[:, None] + 1], 1),
+                        jnp.concatenate([columns - bs, columns], 1))
+    keys = rule.pass_keys(s.key, jnp.where(rev, 0, s.block), jnp.where(rev, 0, s.step))  # one draw a column
+    cache = None
+  elif with_head:
+    moving = block_rows
     prev = take(s.gen, jnp.maximum(lo - bs, 0))
-    head_valid = s.head & s.active
+    head_valid = s.head & moving
     tokens = jnp.concatenate([prev, tail], axis=1)
     positions = jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], axis=1)
     # An idle row still sees its own tail: no query ever has nothing to attend to.
@@ -202,25 +240,31 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     logits, cache = model.forward_cached(tokens, positions, s.cache, commit=True, valid_new=valid_new, t=t,
                                          commit_len=jnp.where(head_valid, bs, 0), new_block=bs)
   else:
-    moving = s.active & ~s.head
+    moving = block_rows & ~s.head
     # Committing 0 tokens: the tail's keys are written past each fill point,
     # where nothing reads them, into the donated cache in place. (commit=False
     # hands back the input cache, so the write would need a copy of all of it.)
     logits, cache = model.forward_cached(tail, tail_pos, s.cache, commit=True, t=t,
                                          commit_len=jnp.zeros_like(s.prompt_len))
-  d = s.decoding
-  columns = lo[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-  keys = rule.pass_keys(s.key, s.block, s.step)
   logits = _move_logits(sc, s, logits)
   if guided:
-    logits = _allow_at_cursor(logits, s, lo)
+    logits = jnp.concatenate([logits[:, :-bs], _allow_at_cursor(logits[:, -bs:], s, lo)], 1)
   x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
   top = top_logprobs_of(logits, sc.never_proposed) if logprobs else None
+  if revising:  # the blocks' proposals are the tail's; the revising rows' verifications, the head's
+    kept_logp = None
+    if logprobs:  # of the head's own tokens (a draw's is its proposal's only where nothing moved the logits)
+      lsm = jax.nn.log_softmax(rule.exclude(logits[:, :bs], sc.never_proposed), axis=-1)
+      kept_logp = jnp.take_along_axis(lsm, s.ahead[..., None], axis=-1)[..., 0]
+    verifying = (x0[:, :bs], kept_logp, None if top is None else tuple(x[:, :bs] for x in top))
+    x0, conf = x0[:, bs:], conf[:, bs:]
+    top = None if top is None else tuple(x[:, bs:] for x in top)
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.commit(conf, candidates, d.threshold, d.min_tokens, d.in_order)
   commit = picked & ~s.constrained[:, None] if guided else picked
   new_tail = jnp.where(commit, x0, tail)
-  s = s.replace(cache=cache)
+  if cache is not None:
+    s = s.replace(cache=cache)
   if logprobs:
     # A constrained row's proposals are recorded too: the host commits a
     # prefix of them, and what it leaves is proposed again and overwritten.
@@ -230,7 +274,39 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     guided_rows = s.constrained & moving
     s = s.replace(proposal=jnp.where(guided_rows[:, None], x0, s.proposal),
                   picked=jnp.where(guided_rows[:, None], picked, s.picked), proposed=guided_rows)
-  return _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
+  s = _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
+  if revising:
+    s = _revise(sc, s, rev, pending, head_valid, x0, conf, *verifying, logprobs)
+  return s
+
+
+def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_conf, base_x0, kept_logp, base_top,
+            logprobs: bool) -> Slots:
+  """A revising pass's results: the verified head tokens of `rev` rows are
+  kept (the cache of every row is committed here: the block rows' finished
+  blocks too), and the next head is the base's token and the tail's drafts."""
+  bs = sc.block_size
+  lane = jnp.arange(bs, dtype=jnp.int32)[None]
+  v = rule.verify(s.ahead, s.n_ahead, base_x0, tail_x0, tail_conf, s.decoding.threshold, sc.eos_id,
+                  jnp.where(rev, s.n_blocks * bs - s.filled, 0))
+  rows = jnp.arange(s.gen.shape[0])[:, None]
+  cols = s.filled[:, None] + lane
+  kept = rev[:, None] & (lane < v.keep[:, None])
+
+  def put(dst, new):
+    mask = kept.reshape(kept.shape + (1,) * (new.ndim - 2))
+    old = dst[rows, jnp.minimum(cols, dst.shape[1] - 1)]
+    return dst.at[rows, cols].set(jnp.where(mask, new.astype(dst.dtype), old), mode="drop")
+
+  out = s.replace(cache=pending.commit(jnp.where(rev, v.keep, jnp.where(head_valid, bs, 0))), gen=put(s.gen, s.ahead))
+  if logprobs:  # the kept tokens' log-probabilities under the base, from the pass that verified them
+    out = out.replace(logp=put(s.logp, kept_logp), top_logp=put(s.top_logp, base_top[0]),
+                      top_ids=put(s.top_ids, base_top[1]))
+  filled = s.filled + jnp.where(rev, v.keep, 0)
+  ended = rev & (v.ended | (filled >= s.n_blocks * bs))
+  r = rev[:, None]
+  return out.replace(filled=filled, ahead=jnp.where(r, v.ahead, s.ahead), n_ahead=jnp.where(rev, v.n_ahead, s.n_ahead),
+                     active=out.active & ~ended, head=out.head & ~ended, passes=out.passes + rev.astype(jnp.int32))
 
 
 def _move_logits(sc: SlotConfig, s: Slots, logits):
@@ -337,13 +413,13 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
 
 
 def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True,
-               guided: bool = False, logprobs: bool = False) -> Slots:
+               guided: bool = False, logprobs: bool = False, revising: bool = False) -> Slots:
   """`step` over slots [0, rows) only: requests take the lowest free slots, so
   a lightly loaded engine runs passes as small as its load."""
   if rows == sc.num_slots:
-    return step(spec, sc, params, s, with_head, guided, logprobs)
+    return step(spec, sc, params, s, with_head, guided, logprobs, revising)
   head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head,
-              guided, logprobs)
+              guided, logprobs, revising)
   out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
   # The pass read and wrote its rows' keys and values in the whole buffers, in
   # place: no copy of the rows in, none back (at a long context, copying them
@@ -353,14 +429,14 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
   """(admit, pass) jitted, with the slot state donated so it is updated in
-  place. pass(params, state, guides, rows=k, with_head=h, logprobs=l)
-  compiles once per (k, h, l) and whether `guides` is None: given (the
+  place. pass(params, state, guides, rows=k, with_head=h, logprobs=l, revising=r)
+  compiles once per (k, h, l, r) and whether `guides` is None: given (the
   operands of `guide`), the host's commits for the constrained rows land
   first, in the same program, and the pass runs guided."""
-  def run(params, state, guides, rows, with_head=True, logprobs=False):
+  def run(params, state, guides, rows, with_head=True, logprobs=False, revising=False):
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
-    return step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs)
+    return step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising)
 
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,), static_argnames=("resume",)),
-          jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs")))
+          jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising")))

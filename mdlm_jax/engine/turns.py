@@ -28,8 +28,8 @@ class Turn:
   constrained rows `guides` [(row, tokens from the old cursor, new cursor,
   bitmask, how many of the tokens the last pass proposed)], then run one
   pass over the first `rows` slots (none when 0), `guided` when a
-  constrained row is busy and `logprobs` when a busy request asked for them.
-  `stop` ends every process's loop."""
+  constrained row is busy, `logprobs` when a busy request asked for them
+  and `revising` when a busy request revises. `stop` ends every process's loop."""
   stop: bool = False
   release: list[int] = dataclasses.field(default_factory=list)
   admits: list[tuple[int, Request, np.ndarray, int, int]] = dataclasses.field(default_factory=list)
@@ -38,6 +38,7 @@ class Turn:
   with_head: bool = False
   guided: bool = False
   logprobs: bool = False
+  revising: bool = False
 
 
 # A request's decoding settings travel to the other processes field by field from the
@@ -58,7 +59,7 @@ def encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
   n = sc.num_slots
   out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides),
-                             turn.logprobs], np.int32),
+                             turn.logprobs, turn.revising], np.int32),
          "release": np.zeros(n, np.int32), "ints": np.zeros((n, _REQUEST_INTS + len(_INT_SETTINGS)), np.int32),
          "floats": np.zeros((n, len(_FLOAT_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
          "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
@@ -85,7 +86,7 @@ def encode(turn: Turn, sc) -> dict[str, np.ndarray]:
 def decode(a: dict[str, np.ndarray], sc) -> Turn:
   """The turn `encode` wrote: what touches the device. Stop strings and seeds
   stay on process 0 (text matching is host work; the key is sent instead)."""
-  stop, n_admits, rows, with_head, guided, n_guides, logprobs = (int(v) for v in a["head"])
+  stop, n_admits, rows, with_head, guided, n_guides, logprobs, revising = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
     row, plen, max_tokens, slen, start, end = (int(v) for v in a["ints"][i, :_REQUEST_INTS])
@@ -99,4 +100,5 @@ def decode(a: dict[str, np.ndarray], sc) -> Turn:
   guides = [(int(row), a["guide_tokens"][i, :int(k)].tolist(), int(cursor), a["guide_allowed"][i], int(proposed))
             for i, (row, k, cursor, proposed) in enumerate(a["guide_ints"][:n_guides])]
   return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, guides=guides,
-              rows=rows, with_head=bool(with_head), guided=bool(guided), logprobs=bool(logprobs))
+              rows=rows, with_head=bool(with_head), guided=bool(guided), logprobs=bool(logprobs),
+              revising=bool(revising))

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import ml_collections
-from flax import nnx
+from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax.kernels import AttentionMask, HeadInput
@@ -227,6 +227,36 @@ class Transformer(nnx.Module):
       written = written.replace(last_hidden=_last_kept(x, keep, cache.last_hidden))
     return out, written.commit(cache.kept_valid(valid, keep), keep)
 
+  def forward_speculative(self, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: KVCache,
+                          head_valid: Bool[Array, "b h"]) -> tuple[Float[Array, "b n v"], "PendingCommit"]:
+    """One pass of self-speculative decoding for an AR model adapted to
+    diffusion (clean_causal, shift_logits): `tokens` are a clean head of h
+    tokens (an exact token, then drafts; `head_valid` a prefix of each row)
+    that reads the cache causally as the base model does, and a masked tail
+    block after the head's valid tokens that reads everything.
+
+    Logits [b, n, v]: head column i scores the head's token i given the
+    head's tokens before it (column 0 from the cache's last state), which
+    verifies the drafts against the base; the tail's columns score the tail,
+    its first from the last valid head token's state (the base's next
+    token, exact when every draft holds), the rest are the next drafts.
+    Nothing is kept until `commit_speculative` says how many head tokens hold."""
+    cfg = self.cfg
+    if not (cfg.clean_causal and cfg.shift_logits) or cfg.time_conditioning:
+      raise ValueError("speculative decoding needs an adapted AR model (model.clean_causal and shift_logits,"
+                       " no time conditioning)")
+    b, n = tokens.shape
+    h = head_valid.shape[1]
+    valid_new = jnp.concatenate([head_valid.astype(jnp.bool_), jnp.ones((b, n - h), jnp.bool_)], axis=1)
+    noisy = jnp.broadcast_to(jnp.arange(n)[None] >= h, (b, n))
+    valid, mask = cache.attention_spec(valid_new, causal=False, new_block=n - h, clean=~noisy)
+    x, written = self._trunk(tokens, None, positions, causal=False, mask=mask, cache=cache,
+                             noisy=noisy if cfg.lora_rank else None)
+    head = jnp.concatenate([cache.last_hidden[:, None].astype(x.dtype), x[:, :h - 1]], axis=1)
+    last = _last_kept(x[:, :h], jnp.sum(head_valid, axis=-1), cache.last_hidden)
+    tail = jnp.concatenate([last[:, None], x[:, h:n - 1]], axis=1)
+    return self.logits(jnp.concatenate([head, tail], axis=1)), PendingCommit(x[:, :h], written, valid, cache)
+
   def head_input(self, hidden: Float[Array, "b l d"]) -> HeadInput:
     """The vocabulary head's inputs: `logits` is `head_input(hidden).logits()`."""
     out_in = self.cfg.weight_layout == "out_in"
@@ -254,6 +284,20 @@ def _lora(cfg: ModelConfig):
 def shift_right(hidden: Float[Array, "b l d"]) -> Float[Array, "b l d"]:
   """Position i gets the state of i - 1; position 0, with nothing before it, keeps its own."""
   return jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
+
+
+@struct.dataclass
+class PendingCommit:
+  """A speculative pass's head, written into the cache but not yet kept."""
+  hidden: Float[Array, "b h d"]
+  written: KVCache
+  valid: Bool[Array, "b s"]
+  before: KVCache
+
+  def commit(self, keep: Int[Array, "b"]) -> KVCache:
+    """The cache with each row's first `keep` head tokens kept (a per-row cache)."""
+    written = self.written.replace(last_hidden=_last_kept(self.hidden, keep, self.before.last_hidden))
+    return written.commit(self.before.kept_valid(self.valid, keep), keep)
 
 
 def _last_kept(x: Float[Array, "b t d"], count, fallback: Float[Array, "b d"]) -> Float[Array, "b d"]:

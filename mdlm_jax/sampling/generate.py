@@ -112,8 +112,11 @@ class Generator:
         return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new,
                                     t=frac if tc else None, commit_len=commit_len, new_block=new_block, head=head)
 
-      def new_cache(self, batch, max_len):
-        return KVCache.init(cfg, batch, max_len)
+      def speculative(self, toks, pos, cache, head_valid):
+        return model.forward_speculative(toks, pos, cache, head_valid)
+
+      def new_cache(self, batch, max_len, per_row=False):
+        return KVCache.init(cfg, batch, max_len, per_row=per_row)
 
     denoiser = Denoiser()
     denoiser.positions = positions  # the canvas's RoPE positions, for cached blocks

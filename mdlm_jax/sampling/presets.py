@@ -38,7 +38,7 @@ PRESETS = {
 EFFORTS = tuple(PRESETS)
 DEFAULT_EFFORT = "medium"
 _OVERRIDES = ("steps", "block_size", "threshold", "temperature", "top_p", "min_tokens", "kv_cache",
-              "presence_penalty", "frequency_penalty", "logit_bias")
+              "presence_penalty", "frequency_penalty", "logit_bias", "revise")
 
 
 def block_size_for(model_block_size: int) -> int:
@@ -97,6 +97,9 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
   never write worse than the base's greedy text and every other token they
   commit (90% or 95% sure) is speed; `low` and `instant` keep their share of
   the block (half of it, all of it), trading quality for passes."""
+  if overrides.get("revise") and not in_order:
+    raise ValueError("revise keeps the drafts its base agrees with: it needs an AR model adapted to diffusion"
+                     " (model.clean_causal)")
   s = sampler_for(effort, sampler=sampler, **overrides)
   s = s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)
   if model_block_size <= 0 and overrides.get("kv_cache") is None and hasattr(s, "kv_cache"):

@@ -8,7 +8,10 @@
    first: an AR model adapted to diffusion always commits the position its
    base predicts exactly). Fast-dLLM's rule is (0.9, 1); LLaDA's
    low-confidence top-k is (never, k);
-3. constrain (rows under a grammar only): `allow` masks the logits at the
+3. revise (`revise`, an AR model adapted to diffusion only): drafts are
+   kept only while the base's own causal pass proposes them too (`verify`),
+   so the text is the base's and the drafts buy speed;
+4. constrain (rows under a grammar only): `allow` masks the logits at the
    row's first undecided column to what the grammar allows there, and the
    host commits the longest grammatical prefix (`sampling.grammar`).
 
@@ -54,6 +57,7 @@ class Decoding:
   threshold: Float[Array, "b"]
   min_tokens: Int[Array, "b"]
   in_order: Bool[Array, "b"]  # the floor's tokens are the leftmost undecided, not the most confident
+  revise: Bool[Array, "b"]  # drafts kept only where the base agrees (`verify`)
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
   presence_penalty: Float[Array, "b"]
@@ -64,10 +68,11 @@ class Decoding:
   @classmethod
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False) -> "Decoding":
+                logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False,
+                revise: bool = False) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
     ids, values = bias_arrays(logit_bias)
-    return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool),
+    return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool), full(revise, bool),
                full(temperature, np.float32),
                full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
@@ -197,6 +202,54 @@ def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold,
   return candidates & ((conf >= jnp.asarray(threshold)[..., None]) | top)
 
 
+def offer(proposals: Int[Array, "b t"], conf: Float[Array, "b t"], threshold) -> tuple[Int[Array, "b t"], Int[Array, "b"]]:
+  """A block's proposals as what a revising pass sends ahead: the first (the
+  base's own token, from the clean state before the block) and how many of
+  the drafts after it are offered for verification, those at least
+  `threshold` sure up to the first that is not ([B] array or scalar). A
+  draft that fails costs the drafts behind it, so unlikely ones stay home."""
+  sure = conf[:, 1:] >= jnp.asarray(threshold, jnp.float32)[..., None]
+  return proposals, jnp.sum(jnp.cumprod(sure, axis=1), axis=1).astype(jnp.int32)
+
+
+@struct.dataclass
+class Verified:
+  """What a revising pass keeps (`verify`)."""
+  keep: Int[Array, "b"]  # head tokens kept, in order
+  ended: Bool[Array, "b"]  # the kept tokens end the text (EOS)
+  ahead: Int[Array, "b t"]  # the next pass's head: the base's next token, then drafts
+  n_ahead: Int[Array, "b"]  # drafts offered in it
+
+
+def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, "b t"], tail: Int[Array, "b t"],
+           tail_conf: Float[Array, "b t"], threshold, eos_id: int, room: Int[Array, "b"]) -> Verified:
+  """Revision by the base (an AR model adapted to diffusion). `head` is the
+  base's next token and `n_drafts` drafts after it, run through the base's
+  causal stream: `base[:, i]` is the base's proposal for head column i given
+  the head before it. Drafts are kept while they equal it; the first that
+  does not is taken back, and the base's proposal there is the next token.
+  `tail` is the block proposed after the head's drafts: when every draft
+  held, its first token is the base's next one and its drafts are offered
+  next (`offer`). Every kept token is thus the base's own proposal given the
+  kept text: the output is the base's decoding, drafts set only the speed.
+  A pass keeps at least one token (`room` permitting: 0 for a finished row),
+  nothing after EOS. `n_drafts` -1: the head is empty (a row's first pass
+  after its prompt), the tail starts the text."""
+  t = head.shape[1]
+  lane = jnp.arange(t, dtype=jnp.int32)[None, :]
+  holds = (head[:, 1:] == base[:, 1:]) & (lane[:, 1:] <= n_drafts[:, None])
+  held = jnp.sum(jnp.cumprod(holds, axis=1), axis=1).astype(jnp.int32)
+  empty = n_drafts < 0
+  keep = jnp.where(empty, 0, 1 + held)
+  eos = (head == eos_id) & (lane < keep[:, None])
+  keep = jnp.minimum(jnp.where(jnp.any(eos, 1), jnp.argmax(eos, 1).astype(jnp.int32) + 1, keep), room)
+  ended = jnp.any((head == eos_id) & (lane < keep[:, None]), 1)
+  all_held = (held == n_drafts) | empty
+  nxt = jnp.where(all_held, tail[:, 0], jnp.take_along_axis(base, jnp.minimum(held + 1, t - 1)[:, None], 1)[:, 0])
+  _, n_next = offer(tail, tail_conf, threshold)
+  return Verified(keep, ended, jnp.concatenate([nxt[:, None], tail[:, 1:]], 1), jnp.where(all_held, n_next, 0))
+
+
 def allow(logits: Float[Array, "... v"], bitmask) -> Float[Array, "... v"]:
   """`logits` with every token a grammar forbids at NEG_INF: `bitmask`
   [..., ceil(v / 32)] uint32, bit v % 32 of word v // 32 set where token v is
@@ -254,4 +307,5 @@ def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0
 
 
 __all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
-           "commit", "noise_words", "pass_keys", "penalize", "propose", "rank_desc", "row_keys", "token_counts"]
+           "commit", "noise_words", "offer", "pass_keys", "penalize", "propose", "rank_desc", "row_keys", "token_counts",
+           "verify", "Verified"]

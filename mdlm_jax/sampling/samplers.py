@@ -27,7 +27,7 @@ import jax.experimental
 import jax.numpy as jnp
 
 from mdlm_jax import kernels
-from mdlm_jax.diffusion import NEG_INF, Schedule
+from mdlm_jax.diffusion import Schedule
 from mdlm_jax.sampling import rule
 
 Denoise = Callable[[jax.Array, jax.Array], jax.Array]
@@ -312,6 +312,77 @@ class ThresholdSampler(_ConfidenceBase):
   threshold: float = 0.9
   min_tokens: int = 1
   in_order: bool = False
+  # Revision (an AR model adapted to diffusion only): drafts are kept only
+  # while the base's own causal pass proposes them too (`rule.verify`); the
+  # text is the base's, and `threshold` says which drafts are worth offering.
+  revise: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.revise and (not self.kv_cache or self.block_size < 2 or self.fused_head):
+      raise ValueError("revise decodes against a KV cache (kv_cache=True) in blocks of at least 2, from"
+                       f" materialised logits (fused_head=False); got kv_cache={self.kv_cache},"
+                       f" block_size={self.block_size}, fused_head={self.fused_head}")
+
+  def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
+    if self.revise:
+      return self._run_revising(denoise, tokens, valid, keys, lay, record, emit)
+    return super().run(denoise, tokens, valid, keys, lay, record, emit)
+
+  def max_iterations(self, lay: Layout) -> int:
+    return lay.gen_len + 1 if self.revise else super().max_iterations(lay)
+
+  def _run_revising(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
+    """Self-speculative decoding (`rule.verify`): each pass runs a clean head
+    (the base's next token and the drafts it has yet to verify) and a masked
+    block right after it, which drafts the tokens that follow. The block
+    slides with the text rather than standing on the block grid."""
+    if lay.suffix_len:
+      raise ValueError("revise writes left to right: it cannot infill against a suffix")
+    bs, gs, gl = self.block_size, lay.gen_start, lay.gen_len
+    B, L = tokens.shape
+    rows = jnp.arange(B)[:, None]
+    lane = jnp.arange(bs, dtype=jnp.int32)[None, :]
+    pass_keys = rule.pass_keys(keys, 0, 0)  # one draw per column, shared by its drafts and its verification
+    cache = denoise.new_cache(B, gs + gl + 2 * bs, per_row=True)
+    drafts, n_drafts = _record(jnp.zeros((gl + 2 if record else 1, B, L), jnp.int32), 0, tokens, record, emit)
+    positions = denoise.positions
+    # The prompt is encoded and the first tokens drafted in one pass, as cached block decoding does.
+    logits, cache = denoise.cached(tokens[:, :gs + bs], positions[:, :gs + bs], cache, True, valid[:, :gs + bs],
+                                   gs, bs)
+    x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
+    ahead, n_ahead = rule.offer(x0, conf, self.threshold)
+    pos0 = positions[:, gs]  # the first generated column's RoPE position
+
+    def cond(s):
+      return ~jnp.all(s["done"]) & (s["it"] < gl)
+
+    def body(s):
+      f, head, n_ok = s["filled"], s["ahead"], s["n_ahead"]
+      at = (pos0 + f)[:, None]
+      pos = jnp.concatenate([at + lane, at + n_ok[:, None] + 1 + lane], 1)
+      blank = jnp.full((B, bs), lay.mask_id, jnp.int32)
+      logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"], lane <= n_ok[:, None])
+      columns = jnp.concatenate([f[:, None] + lane, (f + n_ok + 1)[:, None] + lane], 1)
+      x0, conf = self._propose(logits, pass_keys, columns, lay, s["tokens"], valid)
+      v = rule.verify(head, n_ok, x0[:, :bs], x0[:, bs:], conf[:, bs:], self.threshold, lay.eos_id,
+                      jnp.where(s["done"], 0, gl - f))
+      cols = gs + f[:, None] + lane
+      kept = lane < v.keep[:, None]
+      toks = s["tokens"].at[rows, cols].set(jnp.where(kept, head, s["tokens"][rows, jnp.minimum(cols, L - 1)]),
+                                            mode="drop")
+      filled = f + v.keep
+      rec, n = _record(s["drafts"], s["n_drafts"], toks, record, emit)
+      return {"tokens": toks, "cache": pending.commit(v.keep), "filled": filled, "ahead": v.ahead,
+              "n_ahead": v.n_ahead, "done": s["done"] | v.ended | (filled >= gl), "drafts": rec, "n_drafts": n,
+              "it": s["it"] + 1}
+
+    init = {"tokens": tokens, "cache": cache, "filled": jnp.zeros((B,), jnp.int32), "ahead": ahead,
+            "n_ahead": n_ahead, "done": jnp.zeros((B,), bool), "drafts": drafts,
+            "n_drafts": jnp.asarray(n_drafts, jnp.int32), "it": jnp.zeros((), jnp.int32)}
+    out = jax.lax.while_loop(cond, body, init)
+    return {"tokens": out["tokens"], "nfe": out["it"] + 1, "steps": out["it"] + 1, "drafts": out["drafts"],
+            "num_drafts": out["n_drafts"]}
 
   def _rule_fields(self) -> dict:
     return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
@@ -326,6 +397,7 @@ class ThresholdSampler(_ConfidenceBase):
   def decoding(self, rows: int) -> rule.Decoding:
     """The rule's settings for `rows` rows (a request's, in the engine)."""
     return rule.Decoding.broadcast(rows, threshold=self.threshold, min_tokens=self.min_tokens, in_order=self.in_order,
+                                   revise=self.revise,
                                    temperature=self.temperature, top_p=self.top_p,
                                    presence_penalty=self.presence_penalty,
                                    frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias)

@@ -352,7 +352,18 @@ def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suf
   """One engine request per choice, prompt by prompt and n for each (seeds
   base, base + 1, ...), decoded as the effort means everywhere."""
   check_logit_bias_ids(s.logit_bias, state.engine.sc.vocab_size)
-  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, **s.moves())
+  if s.revise:
+    if not state.engine.loaded.spec.cfg.clean_causal:
+      raise APIError(400, "revise: this model has no base to check drafts against (it is not an AR model adapted"
+                     " to diffusion)", param="revise", code="invalid_value")
+    if suffix:
+      raise APIError(400, "revise: a revising request writes left to right and cannot infill against a suffix",
+                     param="revise", code="invalid_value")
+    if grammar is not None:
+      raise APIError(400, "revise: a revising request does not run under a grammar (structured outputs, tools)",
+                     param="revise", code="invalid_value")
+  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, revise=s.revise or None,
+                                     **s.moves())
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
   return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,

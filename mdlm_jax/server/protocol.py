@@ -60,6 +60,7 @@ class Sampling:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+  revise: bool = False  # drafts kept only where the base agrees (an adapted AR model)
 
   def moves(self) -> dict:
     """The logit moves as sampler settings (`presets.sampler_for` overrides)."""
@@ -141,7 +142,7 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
     if not -2.0 <= penalties[name] <= 2.0:
       raise _bad(name, f"must be in [-2, 2], got {penalties[name]}")
   return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user,
-                  logit_bias=parse_logit_bias(body), **penalties)
+                  logit_bias=parse_logit_bias(body), revise=_get(body, "revise", bool, False), **penalties)
 
 
 def parse_output_cap(body: dict) -> tuple[int | None, str]:
@@ -338,12 +339,12 @@ LOGIT_MOVES = ("presence_penalty", "frequency_penalty", "logit_bias")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
              "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",
-             "parallel_tool_calls", "logprobs", "top_logprobs", *GUIDANCE_FIELDS, *LOGIT_MOVES},
+             "parallel_tool_calls", "logprobs", "top_logprobs", "revise", *GUIDANCE_FIELDS, *LOGIT_MOVES},
     "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs", *GUIDANCE_FIELDS,
-                    *LOGIT_MOVES},
+                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs", "revise",
+                    *GUIDANCE_FIELDS, *LOGIT_MOVES},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-            "stream_options", "reasoning_effort", "diffusing", "user"},
+            "stream_options", "reasoning_effort", "diffusing", "user", "revise"},
     "apply": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
               "stream", "stream_options", "reasoning_effort", "user"},
 }

@@ -30,4 +30,6 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   assert he["base"]["tasks"] == he["medium"]["tasks"] == 2
   assert he["base"]["tokens_per_pass"] == 1.0 and he["medium"]["tokens_per_pass"] > 0.5  # (+1 pass: the last block)
   assert he["medium"]["speed_vs_base"] > 0
-  assert set(res["code"]) == {"base", "medium"} and 0 <= res["code"]["medium"]["parse_rate"] <= 1
+  # Revision writes the base's greedy text, so its answers pass exactly where the base's do.
+  assert he["medium+revise"]["passed"] == he["base"]["passed"] and he["medium+revise"]["tokens_per_pass"] > 0
+  assert set(res["code"]) == {"base", "medium", "medium+revise"} and 0 <= res["code"]["medium"]["parse_rate"] <= 1

@@ -213,6 +213,8 @@ REFUSED = [  # (field, value, code): well formed but not implemented, or malform
     ("tool_choice", "sometimes", "invalid_value"),
     ("response_format", {"type": "xml"}, "invalid_value"), ("user", 7, "invalid_value"),
     ("functions", [], "unsupported_parameter"), ("frobnicate", 1, "unsupported_parameter"),
+    ("revise", "yes", "invalid_value"),
+    ("revise", True, "invalid_value"),  # this model has no base to check drafts against
 ]
 
 

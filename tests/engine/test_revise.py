@@ -1,0 +1,63 @@
+"""Revising requests in the engine: the base's own text, beside block-decoding requests in the same passes."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mdlm_jax import checkpoints
+from mdlm_jax.engine.engine import Engine, Request
+from mdlm_jax.sampling import grammar
+from mdlm_jax.sampling.ar import ARSampler
+from mdlm_jax.sampling.generate import ARGenerator, Generator
+from tests.conftest import adapted_from
+
+PROMPTS = ["def f(x):\n", "import os\nimport sys\n\nclass Thing:\n    "]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoints):
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  return ar, adapted_from(ar, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+  e = Engine(models[1], num_slots=2, max_prompt=32, max_new_tokens=16).start()
+  yield e
+  e.close(deadline_s=1)
+
+
+def test_revising_and_block_requests_share_passes_and_each_writes_its_own_text(models, engine):
+  ar, adapted = models
+  n = 14
+  base = ARGenerator(ar).generate([PROMPTS[0]], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  revising = engine.sampler_for("medium", revise=True, temperature=0.0)
+  block = engine.sampler_for("medium", temperature=0.0)
+  a = engine.submit(Request(engine.encode(PROMPTS[0]), n, revising, seed=0, logprobs=2))
+  b = engine.submit(Request(engine.encode(PROMPTS[1]), n, block, seed=0))
+  got_a, got_b = a.result(timeout=300), b.result(timeout=300)
+  assert got_a.text == base.completions[0].text
+  want_b = Generator(adapted).generate([PROMPTS[1]], max_new_tokens=n, seed=0, sampler=block).completions[0]
+  assert got_b.text == want_b.text
+  # Greedy: every kept token is the base's most likely, and its log-probability is that of the top choice.
+  for token, logp, alternatives in got_a.logprobs:
+    assert alternatives[0][0] == token and np.isclose(alternatives[0][1], logp, atol=1e-5) and logp <= 0
+
+
+def test_a_sampled_revising_request_draws_what_the_generator_draws(models, engine):
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.9)
+  h = engine.submit(Request(engine.encode(PROMPTS[1]), 12, sampler, seed=5))
+  want = Generator(models[1]).generate([PROMPTS[1]], max_new_tokens=12, seed=5, sampler=sampler).completions[0]
+  assert h.result(timeout=300).text == want.text
+
+
+def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
+  revising = engine.sampler_for("medium", revise=True)
+  with pytest.raises(ValueError, match="cannot infill"):
+    engine.submit(Request(engine.encode("x"), 8, revising, suffix_ids=engine.encode("y", add_bos=False)))
+  with pytest.raises(ValueError, match="grammar"):
+    engine.submit(Request(engine.encode("x"), 8, revising, grammar=grammar.Grammar.json_object()))
+  plain = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=16, max_new_tokens=8, block_size=8)
+  with pytest.raises(ValueError, match="adapted to diffusion"):
+    plain.submit(Request(plain.encode("x"), 8, dataclasses.replace(revising, block_size=plain.sc.block_size)))

@@ -1,0 +1,124 @@
+"""Revising decoding (ThresholdSampler(revise=True)): the base's own text whatever the drafts, and the passes
+a hand count predicts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax import checkpoints
+from mdlm_jax.sampling.ar import ARSampler
+from mdlm_jax.sampling.generate import ARGenerator, Generator
+from mdlm_jax.sampling.samplers import Layout, ThresholdSampler
+from tests.conftest import adapted_from
+
+V, MASK, EOS = 11, 10, 9
+
+
+class Oracle:
+  """A stand-in model whose base always proposes `text` and whose diffusion
+  block drafts `text` except at the columns in `wrong`."""
+
+  def __init__(self, text, wrong, gen_start):
+    self.text, self.wrong, self.gs = np.asarray(text), set(wrong), gen_start
+    self.positions = jnp.arange(gen_start + len(text))[None]
+
+  def _one_hot(self, cols, draft):
+    y = jnp.asarray(self.text)[jnp.clip(cols, 0, len(self.text) - 1)]
+    if draft:
+      bad = jnp.isin(cols, jnp.asarray(sorted(self.wrong) or [-1]))
+      y = jnp.where(bad, (y + 1) % (V - 2), y)
+    return jax.nn.one_hot(y, V) * 5.0
+
+  def new_cache(self, batch, max_len, per_row=False):
+    return jnp.zeros((batch,), jnp.int32)
+
+  def cached(self, toks, pos, cache, commit, valid_new, commit_len, new_block):
+    cols = pos[:, -new_block:] - self.gs
+    first = self._one_hot(cols[:, :1], False)
+    return jnp.concatenate([first, self._one_hot(cols[:, 1:], True)], 1), cache
+
+  def speculative(self, toks, pos, cache, head_valid):
+    h = head_valid.shape[1]
+    cols = pos - self.gs
+    logits = jnp.concatenate([self._one_hot(cols[:, :h + 1], False), self._one_hot(cols[:, h + 1:], True)], 1)
+
+    class Pending:
+      def commit(self, keep):
+        return cache + keep
+    return logits, Pending()
+
+
+def revising(block_size=4, threshold=0.5, **kw):
+  return ThresholdSampler(**{"block_size": block_size, "threshold": threshold, "kv_cache": True, "revise": True, **kw})
+
+
+def _decode(text, wrong, block_size, gen_len=None, threshold=0.5):
+  gen_len = gen_len or len(text)
+  gs = 2
+  tokens = jnp.concatenate([jnp.array([[1, 2]]), jnp.full((1, gen_len), MASK)], 1)
+  lay = Layout(gen_start=gs, gen_len=gen_len, mask_id=MASK, eos_id=EOS)
+  oracle = Oracle(text, wrong, gs)
+  out = revising(block_size, threshold).run(oracle, tokens, jnp.ones_like(tokens, bool),
+                                                      jnp.zeros((1, 2), jnp.uint32), lay)
+  return np.asarray(out["tokens"][0, gs:]), int(out["nfe"])
+
+
+@pytest.mark.parametrize("wrong, passes", [
+    ((), 4),  # the prompt's pass drafts 1-3; each later pass keeps 4: 0-3, 4-7, 8-11
+    ((2,), 6),  # 0-1 kept, 2 taken back (the base's token: nothing drafted after it); 3-6, 7-10, 11
+    # 0; 1 alone (drafts 2-4); 2-4; 5 alone (6-8); 6-8; 9 alone (10-12); 10-11
+    ((1, 5, 9), 8),
+])
+def test_passes_keep_the_held_drafts_and_the_base_token_after_them(wrong, passes):
+  text = np.random.default_rng(len(wrong)).integers(0, 8, 12)
+  out, nfe = _decode(text, wrong, 4)
+  np.testing.assert_array_equal(out, text)
+  assert nfe == passes
+
+
+def test_every_draft_wrong_is_one_token_a_pass_after_the_first():
+  text = np.random.default_rng(3).integers(0, 8, 9)
+  out, nfe = _decode(text, range(20), 3)
+  np.testing.assert_array_equal(out, text)
+  assert nfe == 1 + len(text)
+
+
+def test_the_text_ends_at_eos_and_nothing_after_it_is_kept():
+  text = np.array([3, 4, EOS, 5, 6, 7, 1, 2])
+  out, nfe = _decode(text, (), 4)
+  np.testing.assert_array_equal(out[:3], text[:3])
+  assert np.all(out[3:] == MASK) and nfe == 2
+
+
+def test_drafts_below_the_threshold_are_not_offered():
+  text = np.random.default_rng(4).integers(0, 8, 8)
+  out, nfe = _decode(text, (), 4, threshold=1.0)  # every draft is just short of certain
+  np.testing.assert_array_equal(out, text)
+  assert nfe == 1 + len(text)
+
+
+def test_settings_that_cannot_work_are_refused():
+  for bad in ({"block_size": 1}, {"kv_cache": False}, {"fused_head": True}):
+    with pytest.raises(ValueError, match="revise decodes against a KV cache"):
+      revising(**bad)
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size):
+  """Random adapters draft noise; the text is still the base's, token for token."""
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  adapted = adapted_from(ar, block_size=block_size)
+  prompts = ["def add(a, b):\n", "x = 1\ny"]
+  n = 24
+  want = ARGenerator(ar).generate(prompts, max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  got = Generator(adapted).generate(prompts, max_new_tokens=n, sampler=revising(block_size))
+  for w, g in zip(want.completions, got.completions):
+    assert g.tokens == w.tokens
+  assert got.forward_passes <= n + 1
+
+
+def test_a_model_that_is_not_an_adapted_ar_model_is_refused(tiny_checkpoints):
+  with pytest.raises(ValueError, match="adapted AR model"):
+    Generator(checkpoints.load(tiny_checkpoints["mdlm"])).generate(["x"], max_new_tokens=8,
+                                                                   sampler=revising())
