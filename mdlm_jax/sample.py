@@ -37,9 +37,10 @@ def parse(argv):
   p.add_argument("--threshold", type=float, default=None, help="confidence threshold (threshold sampler)")
   p.add_argument("--min-tokens", type=int, default=None,
                  help="tokens committed per pass at least (threshold sampler)")
-  p.add_argument("--revise", action="store_true", default=None,
+  p.add_argument("--revise", action=argparse.BooleanOptionalAction, default=None,
                  help="an AR model adapted to diffusion: keep drafts only where the base's own causal pass agrees"
-                      " (the base's text, drafted ahead; --threshold picks the drafts offered)")
+                      " (the base's text, drafted ahead; --threshold picks the drafts offered). Default: as the"
+                      " effort has it (medium and high revise a prompt's answer)")
   p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
                  help="cached blocks (default for BD3-LM models, exact for them) or full-canvas passes (default for"
                       " models trained on whole sequences, exact for them; cached blocks ignore the masked blocks"
@@ -132,7 +133,7 @@ def main(argv=None):
     else:
       try:
         sampler = presets.for_model(a.effort, loaded.config.diffusion.block_size, sampler=a.sampler,
-                                    in_order=loaded.spec.cfg.clean_causal,
+                                    in_order=loaded.spec.cfg.clean_causal, revisable=a.suffix is None,
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
                                     kv_cache=a.kv_cache, revise=a.revise, presence_penalty=a.presence_penalty,

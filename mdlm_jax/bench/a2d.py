@@ -26,13 +26,15 @@ from mdlm_jax.bench.common import add_output_flags, emit
 
 
 def parse(argv):
-  from mdlm_jax.sampling.presets import EFFORTS
+  from mdlm_jax.sampling.presets import DRAFT_THRESHOLD, EFFORTS
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench a2d", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
   p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
   p.add_argument("--efforts", default="medium,high", help=f"comma-separated, of {', '.join(EFFORTS)}")
   p.add_argument("--revise", action=argparse.BooleanOptionalAction, default=True,
                  help="also each effort with revise=True (drafts kept only where the base agrees)")
+  p.add_argument("--revise-threshold", type=float, default=DRAFT_THRESHOLD,
+                 help="with --revise: the drafts offered for verification are at least this sure")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -112,24 +114,19 @@ def main(argv=None):
   print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
   result["humaneval_chat"]["base"] = humaneval_chat(humaneval.ARBackend(base, temperature=0.0, batch=1), tasks,
                                                     a.answer_tokens)
-  for effort in a.efforts:
-    print(f"{effort}: HumanEval chat", file=sys.stderr, flush=True)
-    backend = humaneval.EngineBackend(adapted, effort=effort, temperature=0.0, slots=1,
-                                      max_new_tokens=a.answer_tokens)
+  settings = {e: {"revise": False} for e in a.efforts}  # the threshold rule in blocks, beside revision
+  if a.revise:
+    settings.update({f"{e}+revise": {"revise": True, "threshold": a.revise_threshold} for e in a.efforts})
+  for name, overrides in settings.items():
+    print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
+    backend = humaneval.EngineBackend(adapted, effort=name.split("+")[0], temperature=0.0, slots=1,
+                                      max_new_tokens=a.answer_tokens, **overrides)
     try:
-      result["humaneval_chat"][effort] = humaneval_chat(backend, tasks, a.answer_tokens)
+      result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:
       backend.close()
-  # Revising settings decode through the one-shot generator (the engine serves the rule without revision).
-  one_shot = {f"{e}+revise": presets.for_model(e, adapted.config.diffusion.block_size, in_order=True, revise=True,
-                                               temperature=0.0)
-              for e in (a.efforts if a.revise else ())}
-  for name, sampler in one_shot.items():
-    print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
-    result["humaneval_chat"][name] = humaneval_chat(humaneval.SamplerBackend(adapted, sampler), tasks,
-                                                    a.answer_tokens)
   he = result["humaneval_chat"]
-  for effort in [*a.efforts, *one_shot]:
+  for effort in settings:
     he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)
     he[effort]["speed_vs_base"] = he[effort]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
   if a.code_prompts:
@@ -142,10 +139,9 @@ def main(argv=None):
     result["code"]["base"] = code_completions(ARGenerator(base), prompts, a.new_tokens,
                                               ARSampler(a.new_tokens, temperature=0.0), scorer)
     gen = Generator(adapted)
-    for effort in a.efforts:
-      sampler = presets.for_model(effort, adapted.config.diffusion.block_size, in_order=adapted.spec.cfg.clean_causal)
-      result["code"][effort] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
-    for name, sampler in one_shot.items():
+    for name, overrides in settings.items():
+      sampler = presets.for_model(name.split("+")[0], adapted.config.diffusion.block_size,
+                                  in_order=adapted.spec.cfg.clean_causal, **overrides)
       result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
   emit(result, a)
 

@@ -102,7 +102,7 @@ def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> 
   engine = Engine(loaded, num_slots=1, max_prompt=64, max_new_tokens=-(-a.max_tokens // bs) * bs,
                   grammar_policy=grammar.ACCEPT_POLICIES[0] if mode == "unconstrained" else mode)
   engine.start()
-  sampler = engine.sampler_for(a.effort, temperature=a.temperature)
+  sampler = engine.sampler_for(a.effort, temperature=a.temperature, revisable=False)  # both modes decode alike
 
   def requests():
     caps = iter(lengths or [a.max_tokens] * n)

@@ -235,17 +235,21 @@ class EngineBackend:
   """A diffusion checkpoint served by the engine in this process."""
 
   def __init__(self, loaded, *, effort: str, temperature: float, slots: int = 8, max_prompt: int = 1024,
-               max_new_tokens: int = 256):
+               max_new_tokens: int = 256, **overrides):
     from mdlm_jax.engine.engine import Engine
     from mdlm_jax.sampling import presets
     bs = presets.block_size_for(loaded.config.diffusion.block_size)
     self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt,
                          max_new_tokens=-(-max_new_tokens // bs) * bs, max_queue=1 << 20).start()
-    self.sampler = self.engine.sampler_for(effort, temperature=temperature)
+    self.sampler = self.engine.sampler_for(effort, temperature=temperature, **overrides)
+    # Infilling requests cannot be revised: they decode as the effort does without.
+    infill = {k: v for k, v in overrides.items() if k != "revise"}
+    self.infill_sampler = self.engine.sampler_for(effort, temperature=temperature, revisable=False, **infill)
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:
     from mdlm_jax.engine.engine import Request
-    handles = [self.engine.submit(Request(self.engine.encode(p), n, self.sampler, seed=seed, stop=tuple(stop),
+    handles = [self.engine.submit(Request(self.engine.encode(p), n, self.infill_sampler if s else self.sampler,
+                                          seed=seed, stop=tuple(stop),
                                           suffix_ids=self.engine.encode(s, add_bos=False) if s else ()))
                for p, s, n in zip(prefixes, suffixes, _each(max_tokens, len(prefixes)))]
     progress = Progress("answers", len(handles))
@@ -322,46 +326,6 @@ class ARBackend:
       stats["tokens"] += sum(len(c.tokens) for c in r.completions)
       stats["passes"] += sum(len(c.tokens) for c in r.completions)
       progress.advance(len(part))
-    return out, stats
-
-  def close(self):
-    pass
-
-
-class SamplerBackend:
-  """A diffusion checkpoint decoded by one sampler through the one-shot
-  generator: for decoders the engine does not serve (`sampler=speculative`)."""
-
-  def __init__(self, loaded, sampler, *, batch: int = 1):
-    from mdlm_jax.sampling.generate import Generator
-    self.gen, self.sampler, self.batch = Generator(loaded), sampler, batch
-
-  def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:
-    if any(suffixes):
-      raise ValueError("SamplerBackend answers prompts only: run --modes=complete or chat")
-    out = []
-    progress = Progress("answers", len(prefixes))
-    for p, n in zip(prefixes, _each(max_tokens, len(prefixes))):
-      out.append(self.gen.generate([p], max_new_tokens=n, sampler=self.sampler, seed=seed, stop=stop)
-                 .completions[0].text)
-      progress.advance()
-    return out
-
-  def chat(self, requests: Sequence[str], *, max_tokens: int, seed: int) -> tuple[list[str], dict]:
-    """Answers through the checkpoint's chat template, and {tokens, passes}
-    (every pass counted, the one that reads the prompt too)."""
-    from mdlm_jax.server import chat_template
-    out, stats = [], {"tokens": 0, "passes": 0}
-    progress = Progress("answers", len(requests))
-    for text in requests:
-      prompt, stops, add_bos = chat_template.render([{"role": "user", "content": text}], self.gen.loaded.chat_template,
-                                                    self.gen.tok)
-      r = self.gen.generate([prompt], max_new_tokens=max_tokens, sampler=self.sampler, seed=seed, stop=stops,
-                            add_bos=add_bos)
-      out.append(r.completions[0].text)
-      stats["tokens"] += len(r.completions[0].tokens)
-      stats["passes"] += r.forward_passes
-      progress.advance()
     return out, stats
 
   def close(self):

@@ -275,7 +275,7 @@ def _place(state: ServerState, s: Sampling, before: str, candidates: list[str], 
   room = min(engine.sc.max_prompt, engine.sc.context - -(-need // bs) * bs) - 8
   suffix = engine.encode(after, add_bos=False)[:room // 4]
   prefix = engine.encode(before, add_bos=False)[-(room - len(suffix)):]
-  sampler = engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p)
+  sampler = engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, revisable=False)
   seed = s.seed if s.seed is not None else secrets.randbits(31)
   req = engine.prepare(EngineRequest([engine.tok.bos_id] + prefix, need, sampler, seed=seed, suffix_ids=suffix,
                                      grammar=Grammar.choice(candidates, "messages[0].content")))
@@ -362,8 +362,8 @@ def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suf
     if grammar is not None:
       raise APIError(400, "revise: a revising request does not run under a grammar (structured outputs, tools)",
                      param="revise", code="invalid_value")
-  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, revise=s.revise or None,
-                                     **s.moves())
+  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, revise=s.revise,
+                                     revisable=not suffix and grammar is None, **s.moves())
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
   return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,

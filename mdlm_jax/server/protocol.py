@@ -60,7 +60,7 @@ class Sampling:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
-  revise: bool = False  # drafts kept only where the base agrees (an adapted AR model)
+  revise: bool | None = None  # drafts kept only where the base agrees (None: as the effort has it)
 
   def moves(self) -> dict:
     """The logit moves as sampler settings (`presets.sampler_for` overrides)."""
@@ -142,7 +142,7 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
     if not -2.0 <= penalties[name] <= 2.0:
       raise _bad(name, f"must be in [-2, 2], got {penalties[name]}")
   return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user,
-                  logit_bias=parse_logit_bias(body), revise=_get(body, "revise", bool, False), **penalties)
+                  logit_bias=parse_logit_bias(body), revise=_get(body, "revise", bool, None), **penalties)
 
 
 def parse_output_cap(body: dict) -> tuple[int | None, str]:

@@ -343,7 +343,7 @@ def test_in_order_floor_commits_the_leftmost_candidates():
 
 def test_adapted_ar_models_decode_in_order_with_the_floors_share_of_the_block():
   from mdlm_jax.sampling.presets import for_model
-  medium, instant = for_model("medium", 2, in_order=True), for_model("instant", 2, in_order=True)
+  medium, instant = for_model("medium", 2, in_order=True, revise=False), for_model("instant", 2, in_order=True)
   assert (medium.block_size, medium.min_tokens, medium.in_order, medium.threshold) == (2, 1, True, 0.9)
   assert (instant.min_tokens, instant.in_order) == (2, True)
   # medium and high keep the base's guarantee at any block (one token in order, more only when sure).
@@ -352,3 +352,20 @@ def test_adapted_ar_models_decode_in_order_with_the_floors_share_of_the_block():
   assert for_model("instant", 4, in_order=True).min_tokens == 4 and for_model("low", 4, in_order=True).min_tokens == 2
   assert for_model("high", 8).min_tokens == 2 and not for_model("high", 8).in_order
   assert for_model("medium", 2, in_order=True, min_tokens=2).min_tokens == 2  # an explicit floor is kept
+
+
+def test_medium_and_high_revise_a_prompts_answer_on_an_adapted_model_and_nothing_else():
+  from mdlm_jax.sampling.presets import DRAFT_THRESHOLD, for_model
+  for effort in ("medium", "high"):
+    s = for_model(effort, 4, in_order=True)
+    assert s.revise and s.threshold == DRAFT_THRESHOLD and s.kv_cache
+    assert for_model(effort, 4, in_order=True, threshold=0.7).threshold == 0.7
+    assert not for_model(effort, 4, in_order=True, revisable=False).revise  # a suffix or a grammar
+    assert not for_model(effort, 4).revise  # not an adapted model
+  assert not for_model("low", 4, in_order=True).revise and for_model("low", 4, in_order=True, revise=True).revise
+  with pytest.raises(ValueError, match="adapted to diffusion"):
+    for_model("medium", 4, revise=True)
+  with pytest.raises(ValueError, match="cannot infill"):
+    for_model("medium", 4, in_order=True, revise=True, revisable=False)
+  with pytest.raises(ValueError, match="threshold sampler"):
+    for_model("medium", 4, in_order=True, revise=True, sampler="low_confidence")
