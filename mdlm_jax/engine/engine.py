@@ -695,7 +695,10 @@ class Engine:
     collective every process runs alike)."""
     s = self._state
     kept = jnp.where(s.decoding.revise, s.filled, s.block * self.sc.block_size)  # tokens kept in order
-    arrays = (s.gen, kept, s.active, s.passes, s.head)
+    # A revising row's draft shows what it sends ahead: the base's next token and the drafts offered.
+    ahead = jnp.where((jnp.arange(self.sc.block_size)[None] <= s.n_ahead[:, None]) & s.decoding.revise[:, None],
+                      s.ahead, self.sc.mask_id)
+    arrays = (s.gen, kept, s.active, s.passes, s.head, ahead)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
     single = jax.process_count() == 1
@@ -707,9 +710,9 @@ class Engine:
       from jax.experimental import multihost_utils
       out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
     if guided:
-      self._guided_view = tuple(out[5:8])
+      self._guided_view = tuple(out[6:9])
     lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
-    return tuple(out[:5]) + (lp,)
+    return tuple(out[:6]) + (lp,)
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
@@ -741,7 +744,7 @@ class Engine:
     self.stats["finished"] += 1
 
   def _publish(self, arrays) -> None:
-    gen, kept, active, passes, head, logprobs = arrays
+    gen, kept, active, passes, head, ahead, logprobs = arrays
     self._head = head & active
     for row, h in enumerate(self._slots):
       if h is None or h.prefilling:
@@ -755,8 +758,14 @@ class Engine:
                    final=not active[row])
       text, done = end.text, end.done
       if h.want_drafts:
-        # Every committed token shows in a draft, held-back text included.
-        draft = text if done else draft_text(self.tok, ids)
+        # Every committed token shows in a draft, held-back text included; a
+        # revising row's drafts too, until the base takes them back.
+        shown = ids
+        if r.sampler.revise and not done:
+          n = int(kept[row])
+          shown = ids.copy()
+          shown[n:n + self.sc.block_size] = ahead[row][:len(shown[n:n + self.sc.block_size])]
+        draft = text if done else draft_text(self.tok, shown)
         h._push(Event("draft", draft, passes=int(passes[row])))
       # `finish` holds back what a later block could still change (a split
       # character, the start of a stop string): the rest is sent once.

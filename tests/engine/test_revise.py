@@ -61,3 +61,17 @@ def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
   plain = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=16, max_new_tokens=8, block_size=8)
   with pytest.raises(ValueError, match="adapted to diffusion"):
     plain.submit(Request(plain.encode("x"), 8, dataclasses.replace(revising, block_size=plain.sc.block_size)))
+
+
+def test_drafts_show_what_a_revising_row_sends_ahead_and_a_taken_back_token_changing(models, engine):
+  """Random adapters draft noise: some draft shows a token the base then replaces."""
+  from mdlm_jax.sampling.generate import MASK_TEXT
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, threshold=0.0)
+  h = engine.submit(Request(engine.encode(PROMPTS[0]), 16, sampler, seed=0), want_drafts=True)
+  events = list(h.events(timeout=300))
+  drafts = [ev.text for ev in events if ev.kind == "draft"]
+  assert drafts[-1] == events[-1].text  # the last draft is the answer
+
+  def revised(prev, cur):
+    return any(p != MASK_TEXT and c != MASK_TEXT and p != c for p, c in zip(prev, cur))
+  assert any(revised(a, b) for a, b in zip(drafts, drafts[1:]))

@@ -118,3 +118,18 @@ def test_chat_and_infill_sharpen_on_the_page_and_match_the_api(server, tmp_path)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(shot) > 10_000
   finally:
     driver.quit()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_the_page_marks_what_a_draft_took_back_as_revised():
+  """The script's own `kinds`, run by node: undecided, revised (decided before as something else), text."""
+  import json
+  import subprocess
+  src = open(os.path.join(os.path.dirname(__file__), "../../mdlm_jax/server/static/playground.js"),
+             encoding="utf-8").read()
+  mask = re.search(r"const MASK = [^\n]*\n", src).group(0)
+  kinds = src[src.index("function kinds"):src.index("// Draws")]
+  cases = [("ab\u2591\u2591", "ax\u2591\u2591"), ("abc", None), ("a\u2591", "ab"), ("abcd", "ab\u2591\u2591")]
+  script = mask + kinds + f"console.log(JSON.stringify({json.dumps(cases)}.map(([t, p]) => kinds(t, p))));"
+  out = json.loads(subprocess.run(["node", "-e", script], capture_output=True, text=True, check=True).stdout)
+  assert out == [["text", "revised", "undecided", "undecided"], ["text"] * 3, ["text", "undecided"], ["text"] * 4]

@@ -1,7 +1,9 @@
 // The playground: chat and fill-in-the-middle against this server's OpenAI
 // API, streaming the diffusion drafts ("diffusing": each chunk carries the
 // whole current draft, which replaces the last). Undecided positions arrive
-// as MASK and are drawn as such, so the draft visibly sharpens.
+// as MASK and are drawn as such, so the draft visibly sharpens; text a draft
+// changed since the one before (revision: the model took back a token it had
+// drafted) is marked as revised.
 "use strict";
 
 const MASK = "\u2591";
@@ -26,18 +28,32 @@ function settings() {
   };
 }
 
-// Draws `text` into `el`: runs of MASK as undecided, the rest as text.
-function drawDraft(el, text) {
+// The kind of each character of `text`: undecided (MASK), revised (decided
+// in `prev` too, but as something else) or text.
+function kinds(text, prev) {
+  const was = prev ? [...prev] : [];
+  return [...text].map((c, i) => c === MASK ? "undecided"
+      : (i < was.length && was[i] !== MASK && was[i] !== c ? "revised" : "text"));
+}
+
+// Draws `text` into `el`: runs of MASK as undecided, what changed since the
+// draft `prev` as revised, the rest as text.
+function drawDraft(el, text, prev) {
   el.replaceChildren();
-  for (const run of text.match(new RegExp(`${MASK}+|[^${MASK}]+`, "g")) || []) {
-    if (run[0] === MASK) {
+  const chars = [...text], kind = kinds(text, prev);
+  for (let i = 0; i < chars.length;) {
+    let j = i;
+    while (j < chars.length && kind[j] === kind[i]) j++;
+    const run = chars.slice(i, j).join("");
+    if (kind[i] === "text") {
+      el.appendChild(document.createTextNode(run));
+    } else {
       const span = document.createElement("span");
-      span.className = "undecided";
+      span.className = kind[i];
       span.textContent = run;
       el.appendChild(span);
-    } else {
-      el.appendChild(document.createTextNode(run));
     }
+    i = j;
   }
 }
 
@@ -116,8 +132,9 @@ async function sendChat() {
   busy(true);
   setStatus("running", "diffusing…");
   try {
+    let prev = null;
     const out = await streamDrafts("/v1/chat/completions", {model: modelId, messages: history, ...settings()},
-                                   (c) => c.delta && c.delta.content, (t) => drawDraft(answer, t));
+                                   (c) => c.delta && c.delta.content, (t) => { drawDraft(answer, t, prev); prev = t; });
     drawDraft(answer, out.text);
     answer.dataset.final = "true";
     history.push({role: "assistant", content: out.text});
@@ -142,8 +159,9 @@ async function sendFim() {
   busy(true);
   setStatus("running", "diffusing…");
   try {
+    let prev = null;
     const out = await streamDrafts("/v1/fim/completions", {model: modelId, prompt, suffix, ...settings()},
-                                   (c) => c.text, (t) => drawDraft(middle, t));
+                                   (c) => c.text, (t) => { drawDraft(middle, t, prev); prev = t; });
     drawDraft(middle, out.text);
     middle.dataset.final = "true";
     showStats(out.usage, out.seconds, out.drafts);
