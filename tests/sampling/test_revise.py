@@ -122,3 +122,16 @@ def test_a_model_that_is_not_an_adapted_ar_model_is_refused(tiny_checkpoints):
   with pytest.raises(ValueError, match="adapted AR model"):
     Generator(checkpoints.load(tiny_checkpoints["mdlm"])).generate(["x"], max_new_tokens=8,
                                                                    sampler=revising())
+
+
+def test_logit_bias_moves_the_base_as_the_ar_sampler_moves_it(tiny_checkpoints):
+  """The base's proposals carry the request's logit_bias: the text is the AR base's under the same bias."""
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  prompt, n = "def add(a, b):\n", 16
+  plain = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  first = plain.completions[0].tokens[0]
+  bias = ((first, -100.0), (int(np.random.default_rng().integers(5, 300)), 4.0))
+  want = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0, logit_bias=bias))
+  got = Generator(adapted_from(ar, block_size=4)).generate([prompt], max_new_tokens=n,
+                                                             sampler=revising(4, logit_bias=bias))
+  assert got.completions[0].tokens == want.completions[0].tokens and first not in got.completions[0].tokens
