@@ -6,6 +6,9 @@ block-by-block diffusion decoding against its own row of a per-row KV cache.
 refinement pass over every slot at once: each slot sends [its finished
 block, if any | its current block], the finished block goes into the cache
 and the current block is denoised in the same pass (`Transformer.forward_cached` with new_block).
+A revising slot (an adapted AR model, `rule.verify`) slides instead: it sends
+[the base's next token and its drafts | a masked block after them] and keeps
+what its base verifies, in the same passes (`Transformer.forward_speculative`).
 Each slot's decoding settings are one row of a `rule.Decoding` (arrays, not
 static arguments), so requests of different efforts share every pass; the
 pass applies `sampling.rule`, the rule the one-shot samplers apply, and a
