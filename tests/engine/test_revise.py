@@ -45,6 +45,7 @@ def test_revising_and_block_requests_share_passes_and_each_writes_its_own_text(m
     assert alternatives[0][0] == token and np.isclose(alternatives[0][1], logp, atol=1e-5) and logp <= 0
 
 
+@pytest.mark.slow  # a sampled generator compiles (CI: the greedy text against the base's)
 def test_a_sampled_revising_request_draws_what_the_generator_draws(models, engine):
   sampler = engine.sampler_for("medium", revise=True, temperature=0.9)
   h = engine.submit(Request(engine.encode(PROMPTS[1]), 12, sampler, seed=5))

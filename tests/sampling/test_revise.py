@@ -104,7 +104,7 @@ def test_settings_that_cannot_work_are_refused():
       revising(**bad)
 
 
-@pytest.mark.parametrize("block_size", [2, 4])
+@pytest.mark.parametrize("block_size", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size):
   """Random adapters draft noise; the text is still the base's, token for token."""
   ar = checkpoints.load(tiny_checkpoints["ar"])

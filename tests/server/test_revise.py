@@ -9,6 +9,10 @@ from mdlm_jax.sampling.ar import ARSampler
 from mdlm_jax.sampling.generate import ARGenerator
 from tests.bench.test_a2d import adapters_over
 
+# A server of its own (about 30 s on 2 cores). CI reaches the field through tests/server/test_server.py (a 400
+# naming it) and the decoding through tests/engine/test_revise.py.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoints, tmp_path_factory):
