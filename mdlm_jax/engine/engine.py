@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mdlm_jax.checkpoints.loading import LoadedModel
@@ -694,11 +693,7 @@ class Engine:
     for `_logprobs` to read the rows it needs; with several, gathered (a
     collective every process runs alike)."""
     s = self._state
-    kept = jnp.where(s.decoding.revise, s.filled, s.block * self.sc.block_size)  # tokens kept in order
-    # A revising row's draft shows what it sends ahead: the base's next token and the drafts offered.
-    ahead = jnp.where((jnp.arange(self.sc.block_size)[None] <= s.n_ahead[:, None]) & s.decoding.revise[:, None],
-                      s.ahead, self.sc.mask_id)
-    arrays = (s.gen, kept, s.active, s.passes, s.head, ahead)
+    arrays = (s.gen, s.block, s.active, s.passes, s.head, s.decoding.revise, s.filled, s.ahead, s.n_ahead)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
     single = jax.process_count() == 1
@@ -710,9 +705,14 @@ class Engine:
       from jax.experimental import multihost_utils
       out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
     if guided:
-      self._guided_view = tuple(out[6:9])
+      self._guided_view = tuple(out[9:12])
     lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
-    return tuple(out[:6]) + (lp,)
+    gen, block, active, passes, head, revise, filled, ahead, n_ahead = out[:9]
+    kept = np.where(revise, filled, block * self.sc.block_size)  # tokens kept in order
+    # A revising row's draft shows what it sends ahead: the base's next token and the drafts offered.
+    ahead = np.where((np.arange(self.sc.block_size)[None] <= n_ahead[:, None]) & revise[:, None], ahead,
+                     self.sc.mask_id)
+    return gen, kept, active, passes, head, ahead, lp
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)

@@ -202,14 +202,14 @@ def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold,
   return candidates & ((conf >= jnp.asarray(threshold)[..., None]) | top)
 
 
-def offer(proposals: Int[Array, "b t"], conf: Float[Array, "b t"], threshold) -> tuple[Int[Array, "b t"], Int[Array, "b"]]:
-  """A block's proposals as what a revising pass sends ahead: the first (the
-  base's own token, from the clean state before the block) and how many of
-  the drafts after it are offered for verification, those at least
-  `threshold` sure up to the first that is not ([B] array or scalar). A
-  draft that fails costs the drafts behind it, so unlikely ones stay home."""
+def offer(conf: Float[Array, "b t"], threshold) -> Int[Array, "b"]:
+  """How many drafts of a block a revising pass sends ahead, after the
+  block's first token (the base's own, from the clean state before it):
+  those at least `threshold` sure up to the first that is not ([B] array or
+  scalar). A draft that fails costs the drafts behind it, so unlikely ones
+  stay home."""
   sure = conf[:, 1:] >= jnp.asarray(threshold, jnp.float32)[..., None]
-  return proposals, jnp.sum(jnp.cumprod(sure, axis=1), axis=1).astype(jnp.int32)
+  return jnp.sum(jnp.cumprod(sure, axis=1), axis=1).astype(jnp.int32)
 
 
 @struct.dataclass
@@ -246,8 +246,8 @@ def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, 
   ended = jnp.any((head == eos_id) & (lane < keep[:, None]), 1)
   all_held = (held == n_drafts) | empty
   nxt = jnp.where(all_held, tail[:, 0], jnp.take_along_axis(base, jnp.minimum(held + 1, t - 1)[:, None], 1)[:, 0])
-  _, n_next = offer(tail, tail_conf, threshold)
-  return Verified(keep, ended, jnp.concatenate([nxt[:, None], tail[:, 1:]], 1), jnp.where(all_held, n_next, 0))
+  return Verified(keep, ended, jnp.concatenate([nxt[:, None], tail[:, 1:]], 1),
+                  jnp.where(all_held, offer(tail_conf, threshold), 0))
 
 
 def allow(logits: Float[Array, "... v"], bitmask) -> Float[Array, "... v"]:

@@ -351,7 +351,7 @@ class ThresholdSampler(_ConfidenceBase):
     logits, cache = denoise.cached(tokens[:, :gs + bs], positions[:, :gs + bs], cache, True, valid[:, :gs + bs],
                                    gs, bs)
     x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
-    ahead, n_ahead = rule.offer(x0, conf, self.threshold)
+    ahead, n_ahead = x0, rule.offer(conf, self.threshold)
     pos0 = positions[:, gs]  # the first generated column's RoPE position
 
     def cond(s):
