@@ -78,7 +78,7 @@ class MDLMJaxLM(LM):
 
   # -- loglikelihood ----------------------------------------------------------
 
-  def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+  def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids with BOS, continuation ids), split where lm_eval's HF
     models split: trailing spaces go with the continuation, and the pair is
     encoded whole so the boundary tokenizes as in running text."""
@@ -89,7 +89,7 @@ class MDLMJaxLM(LM):
     ctx = self.tok.encode(context) if context else []
     return [self.tok.bos_id] + whole[:len(ctx)], whole[len(ctx):]
 
-  def _score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> np.ndarray:
+  def score_pairs(self, pairs: Sequence[tuple[list[int], list[int]]]) -> np.ndarray:
     """Log-likelihood (or its bound) of each continuation given its context,
     the row cut to its last max_length tokens; rows of like length batched."""
     out = np.zeros(len(pairs))
@@ -103,11 +103,11 @@ class MDLMJaxLM(LM):
     return out
 
   def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-    pairs = [self._pair(*r.args) for r in requests]
+    pairs = [self.encode_pair(*r.args) for r in requests]
     if any(not cont for _, cont in pairs):
       raise ValueError("a loglikelihood request has an empty continuation")
-    ll = self._score(pairs)
-    greedy = self._greedy_ar(pairs) if self.causal else self._greedy_diffusion(pairs)
+    ll = self.score_pairs(pairs)
+    greedy = self._greedy_ar(pairs) if self.causal else self.greedy_diffusion(pairs)
     return [(float(a), bool(b)) for a, b in zip(ll, greedy)]
 
   def _greedy_ar(self, pairs) -> list[bool]:
@@ -129,12 +129,12 @@ class MDLMJaxLM(LM):
       out.append(bool(np.array_equal(pred[start - 1:len(row) - 1], np.asarray(cont))))
     return out
 
-  def _greedy_diffusion(self, pairs) -> list[bool]:
+  def greedy_diffusion(self, pairs) -> list[bool]:
     """Whether the engine's greedy decoding of each context starts with the
     continuation's tokens (read back from its log-probability entries)."""
     from mdlm_jax.engine.engine import Request
     room = self.max_length - max(len(cont) for _, cont in pairs)
-    engine = self._engine_for(room, max(len(cont) for _, cont in pairs))
+    engine = self.engine_for(room, max(len(cont) for _, cont in pairs))
     sampler = engine.sampler_for(self.effort, temperature=0.0)
     handles = [engine.submit(Request(ctx[-room:], len(cont), sampler, seed=self.seed, logprobs=0))
                for ctx, cont in pairs]
@@ -151,7 +151,7 @@ class MDLMJaxLM(LM):
       (text,) = r.args
       windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
           self.tok.encode(text), prefix_token=self.tok.bos_id, max_seq_len=self.max_length, context_len=1)]
-      out.append(float(self._score([(list(c), list(x)) for c, x in windows]).sum()))
+      out.append(float(self.score_pairs([(list(c), list(x)) for c, x in windows]).sum()))
     return out
 
   # -- generation -------------------------------------------------------------
@@ -189,12 +189,12 @@ class MDLMJaxLM(LM):
     if self.causal:
       return self._generate_ar(prompts, n, stop, temperature)
     from mdlm_jax.engine.engine import Request
-    engine = self._engine_for(room, n)
+    engine = self.engine_for(room, n)
     sampler = engine.sampler_for(self.effort, temperature=temperature)
     handles = [engine.submit(Request(p, n, sampler, seed=self.seed, stop=stop)) for p in prompts]
     return [h.result(timeout=3600).text for h in handles]
 
-  def _engine_for(self, max_prompt: int, max_tokens: int):
+  def engine_for(self, max_prompt: int, max_tokens: int):
     """The engine, rebuilt larger when a request outgrows it."""
     from mdlm_jax.engine.engine import Engine
     from mdlm_jax.sampling import presets

@@ -45,7 +45,7 @@ def test_ar_loglikelihood_is_exact(ar_lm):
   reqs = [_instance("loglikelihood", (ctx, c)) for ctx, cs, _ in CHOICES for c in cs]
   got = ar_lm.loglikelihood(reqs)
   model = bind(ar_lm.loaded.spec, ar_lm.loaded.params)
-  pairs = [ar_lm._pair(*r.args) for r in reqs]
+  pairs = [ar_lm.encode_pair(*r.args) for r in reqs]
   # One batch, right-padded: a causal model's logits at a position do not read what follows.
   width = max(len(ctx) + len(cont) for ctx, cont in pairs)
   batch = np.zeros((len(pairs), width), np.int32)
@@ -63,7 +63,7 @@ def test_ar_loglikelihood_is_exact(ar_lm):
     assert greedy == bool((logits[pos].argmax(-1) == row[0, pos + 1]).all())
   # Context and continuation split as lm_eval's HF models split them: the
   # context's trailing space goes with the continuation.
-  assert ar_lm._pair("x = ", "1") == ar_lm._pair("x =", " 1")
+  assert ar_lm.encode_pair("x = ", "1") == ar_lm.encode_pair("x =", " 1")
 
 
 @pytest.mark.slow  # two scorers' compiles; the e2e test scores through the same path
@@ -85,14 +85,14 @@ def test_diffusion_greedy_flag_follows_the_engine(mdlm_lm):
   """is_greedy holds for the engine's own greedy tokens and fails when one differs."""
   from mdlm_jax.engine.engine import Request
   ctx = [mdlm_lm.tok.bos_id] + mdlm_lm.tok.encode("def f(x):\n")
-  engine = mdlm_lm._engine_for(len(ctx), 8)
+  engine = mdlm_lm.engine_for(len(ctx), 8)
   h = engine.submit(Request(ctx, 8, engine.sampler_for(mdlm_lm.effort, temperature=0.0), seed=mdlm_lm.seed,
                             logprobs=0))
   ids = [e[0] for ev in h.events(timeout=120) for e in (ev.logprobs or [])]
   assert ids
   other = list(ids)
   other[-1] = other[-1] - 1 if other[-1] > 0 else 1
-  assert mdlm_lm._greedy_diffusion([(ctx, ids), (ctx, other), (ctx, ids[:3])]) == [True, False, True]
+  assert mdlm_lm.greedy_diffusion([(ctx, ids), (ctx, other), (ctx, ids[:3])]) == [True, False, True]
 
 
 @pytest.mark.slow  # engine and generator compiles; the e2e test generates through the engine
@@ -116,7 +116,7 @@ def test_rolling_loglikelihood_sums_disjoint_windows(ar_lm):
   from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
   windows = [make_disjoint_window(w) for w in get_rolling_token_windows(ids, ar_lm.tok.bos_id, ar_lm.max_length, 1)]
   assert sum(len(c) for _, c in windows) == len(ids)
-  np.testing.assert_allclose(total, ar_lm._score([(list(c), list(x)) for c, x in windows]).sum(), rtol=1e-6)
+  np.testing.assert_allclose(total, ar_lm.score_pairs([(list(c), list(x)) for c, x in windows]).sum(), rtol=1e-6)
   assert total < 0
 
 

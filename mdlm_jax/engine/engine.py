@@ -43,7 +43,7 @@ from mdlm_jax.sampling import grammar as grammar_lib
 from mdlm_jax.sampling import presets, rule
 from mdlm_jax.sampling.finish import finish, tokens_for_text
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
-from mdlm_jax.sampling.samplers import ThresholdSampler
+from mdlm_jax.sampling.samplers import RULES, ConfidenceSampler
 
 
 class Handle:
@@ -406,7 +406,7 @@ class Engine:
     """Token ids of `text` for a request (BOS first, as prompts start)."""
     return ([self.tok.bos_id] if add_bos and self.tok.adds_bos else []) + self.tok.encode(text)
 
-  def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ThresholdSampler:
+  def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ConfidenceSampler:
     """The decoding an effort means for this engine's model (`presets.for_model`)."""
     return presets.for_model(effort, self.sc.block_size, in_order=self.loaded.spec.cfg.clean_causal, **overrides)
 
@@ -447,11 +447,11 @@ class Engine:
     if r.logprobs is not None and not 0 <= r.logprobs <= slots_lib.TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {slots_lib.TOP_LOGPROBS}], got {r.logprobs}")
     smp = r.sampler
-    if not isinstance(smp, ThresholdSampler) or not smp.kv_cache or smp.block_size != self.sc.block_size:
-      raise ValueError(f"the engine decodes with a KV-cached ThresholdSampler in blocks of {self.sc.block_size}"
-                       f" (engine.sampler_for builds one); got {smp!r}")
+    if not isinstance(smp, tuple(RULES.values())) or not smp.kv_cache or smp.block_size != self.sc.block_size:
+      raise ValueError(f"the engine decodes with a KV-cached sampler of {', '.join(RULES)} in blocks of"
+                       f" {self.sc.block_size} (engine.sampler_for builds one); got {smp!r}")
     smp.check_vocabulary(self.sc.vocab_size)
-    if smp.revise:
+    if smp.revises:
       if not self.loaded.spec.cfg.clean_causal:
         raise ValueError("revise keeps the drafts its base agrees with: it needs an AR model adapted to diffusion"
                          " (model.clean_causal)")
@@ -570,7 +570,7 @@ class Engine:
     self._guided_view = None
     busy = [i for i, h in enumerate(self._slots) if h is not None and not h.prefilling]
     if busy:
-      turn.revising = any(self._slots[i].request.sampler.revise for i in busy)
+      turn.revising = any(self._slots[i].request.sampler.revises for i in busy)
       # Revising rows carry a head every pass: they never wait for one.
       turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy) or turn.revising
       turn.guided = any(self._slots[i].constraint is not None for i in busy)
@@ -761,7 +761,7 @@ class Engine:
         # Every committed token shows in a draft, held-back text included; a
         # revising row's drafts too, until the base takes them back.
         shown = ids
-        if r.sampler.revise and not done:
+        if r.sampler.revises and not done:
           n = int(kept[row])
           shown = ids.copy()
           shown[n:n + self.sc.block_size] = ahead[row][:len(shown[n:n + self.sc.block_size])]

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from mdlm_jax.sampling import grammar as grammar_lib
-from mdlm_jax.sampling.samplers import ThresholdSampler
+from mdlm_jax.sampling.samplers import ConfidenceSampler
 
 
 class QueueFull(RuntimeError):
@@ -28,14 +28,15 @@ class ContextLengthExceeded(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Request:
   """What to decode and how: `sampler` is the refinement rule's settings (a
-  cached `ThresholdSampler` in the engine's block size, as
-  `presets.for_model` builds it for an effort); `seed` keys its noise.
+  cached rule of `samplers.RULES` in the engine's block size, as
+  `presets.for_model` builds it for an effort and a sampler name); `seed`
+  keys its noise.
   With `suffix_ids` the request fills in the middle: the suffix is encoded
   into the slot's cache with the prompt, at the positions after the middle's
   `max_tokens`, and every block of the middle reads it."""
   prompt_ids: Sequence[int]
   max_tokens: int
-  sampler: ThresholdSampler
+  sampler: ConfidenceSampler
   seed: int = 0
   stop: tuple[str, ...] = ()
   suffix_ids: Sequence[int] = ()

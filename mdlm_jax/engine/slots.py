@@ -263,7 +263,7 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     x0, conf = x0[:, bs:], conf[:, bs:]
     top = None if top is None else tuple(x[:, bs:] for x in top)
   candidates = (tail == sc.mask_id) & moving[:, None]
-  picked = rule.commit(conf, candidates, d.threshold, d.min_tokens, d.in_order)
+  picked = rule.picks(d, conf, candidates, s.step)
   commit = picked & ~s.constrained[:, None] if guided else picked
   new_tail = jnp.where(commit, x0, tail)
   if cache is not None:

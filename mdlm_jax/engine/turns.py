@@ -15,7 +15,7 @@ import numpy as np
 
 from mdlm_jax.engine.requests import Request
 from mdlm_jax.sampling import rule
-from mdlm_jax.sampling.samplers import ThresholdSampler
+from mdlm_jax.sampling.samplers import RULES, rule_name
 
 
 @dataclasses.dataclass
@@ -41,18 +41,20 @@ class Turn:
   revising: bool = False
 
 
-# A request's decoding settings travel to the other processes field by field from the
-# sampler's own definition: every float field as a float, every int or bool field as an
-# int, logit_bias as its arrays; block_size and kv_cache are the engine's (`_check`).
+# A request's decoding settings travel to the other processes as the rule's name (its
+# index in RULES) and field by field from the rules' own definitions: every float field as
+# a float, every int or bool field as an int, logit_bias as its arrays; block_size and
+# kv_cache are the engine's (`_check`).
 _ENGINE_FIXED = ("block_size", "kv_cache")
-_SAMPLER_FIELDS = {f.name: f.default for f in dataclasses.fields(ThresholdSampler)}
+_RULE_NAMES = tuple(RULES)
+_SAMPLER_FIELDS = {f.name: f.default for kind in RULES.values() for f in dataclasses.fields(kind)}
 _FLOAT_SETTINGS = tuple(k for k, v in _SAMPLER_FIELDS.items() if isinstance(v, float))
 _INT_SETTINGS = tuple(k for k, v in _SAMPLER_FIELDS.items()
                       if isinstance(v, (bool, int)) and not isinstance(v, float) and k not in _ENGINE_FIXED)
 _untravelled = set(_SAMPLER_FIELDS) - {*_FLOAT_SETTINGS, *_INT_SETTINGS, *_ENGINE_FIXED, "logit_bias"}
 if _untravelled:  # a new kind of field: teach encode and decode to carry it
-  raise TypeError(f"ThresholdSampler fields {sorted(_untravelled)} have no encoding for other processes")
-_REQUEST_INTS = 6  # row, prompt length, max_tokens, suffix length, start, stop
+  raise TypeError(f"sampler fields {sorted(_untravelled)} have no encoding for other processes")
+_REQUEST_INTS = 7  # row, prompt length, max_tokens, suffix length, start, stop, rule
 
 
 def encode(turn: Turn, sc) -> dict[str, np.ndarray]:
@@ -73,9 +75,10 @@ def encode(turn: Turn, sc) -> dict[str, np.ndarray]:
     out["guide_tokens"][i, :len(tokens)] = tokens
     out["guide_allowed"][i] = allowed
   for i, (row, r, key, start, stop) in enumerate(turn.admits):
+    given = lambda f: getattr(r.sampler, f, _SAMPLER_FIELDS[f])  # noqa: E731  (a field of another rule: its default)
     out["ints"][i] = (row, len(r.prompt_ids), r.max_tokens, len(r.suffix_ids), start, stop,
-                      *(int(getattr(r.sampler, f)) for f in _INT_SETTINGS))
-    out["floats"][i] = [getattr(r.sampler, f) for f in _FLOAT_SETTINGS]
+                      _RULE_NAMES.index(rule_name(r.sampler)), *(int(given(f)) for f in _INT_SETTINGS))
+    out["floats"][i] = [given(f) for f in _FLOAT_SETTINGS]
     out["bias_ids"][i], out["bias"][i] = rule.bias_arrays(r.sampler.logit_bias)
     out["keys"][i] = key
     ids = list(r.prompt_ids) + list(r.suffix_ids)
@@ -89,11 +92,14 @@ def decode(a: dict[str, np.ndarray], sc) -> Turn:
   stop, n_admits, rows, with_head, guided, n_guides, logprobs, revising = (int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
-    row, plen, max_tokens, slen, start, end = (int(v) for v in a["ints"][i, :_REQUEST_INTS])
+    row, plen, max_tokens, slen, start, end, rule_index = (int(v) for v in a["ints"][i, :_REQUEST_INTS])
+    kind = RULES[_RULE_NAMES[rule_index]]
+    own = {f.name for f in dataclasses.fields(kind)}
     settings = {f: type(_SAMPLER_FIELDS[f])(int(v)) for f, v in zip(_INT_SETTINGS, a["ints"][i, _REQUEST_INTS:])}
     settings.update((f, float(v)) for f, v in zip(_FLOAT_SETTINGS, a["floats"][i]))
     bias = tuple((int(t), float(b)) for t, b in zip(a["bias_ids"][i], a["bias"][i]) if t != rule.NO_BIAS_ID)
-    sampler = ThresholdSampler(block_size=sc.block_size, kv_cache=True, logit_bias=bias, **settings)
+    sampler = kind(block_size=sc.block_size, kv_cache=True, logit_bias=bias,
+                   **{f: v for f, v in settings.items() if f in own})
     admits.append((row, Request(a["prompts"][i, :plen].tolist(), max_tokens, sampler,
                                 suffix_ids=a["prompts"][i, plen:plen + slen].tolist()),
                    a["keys"][i].astype(np.uint32), start, end))

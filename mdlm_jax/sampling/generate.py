@@ -79,7 +79,10 @@ class Generator:
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
     if loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
-    self._run = jax.jit(self._run_impl, static_argnames=("sampler", "layout", "record", "stream", "many"))
+    # The compiled decoding of one canvas: (params, tokens, valid, positions, keys; sampler, layout,
+    # record, stream, many) -> the sampler's outputs. `generate` builds the canvas and calls it.
+    self.decode_canvas = jax.jit(self._decode_canvas,
+                                 static_argnames=("sampler", "layout", "record", "stream", "many"))
     self.fim = fim.format_for(loaded.config, self.tok)  # infill in the FIM format a checkpoint was trained with
     self._on_step = None  # the current call's draft handler (see `stream`)
 
@@ -89,7 +92,8 @@ class Generator:
     if self._on_step is not None:
       self._on_step(step, tokens)
 
-  def _run_impl(self, params, tokens, valid, positions, keys, *, sampler, layout, record, stream=False, many=False):
+  def _decode_canvas(self, params, tokens, valid, positions, keys, *, sampler, layout, record, stream=False,
+                     many=False):
     """`many`: `params` are those of the model for passes over many rows."""
     emit = self._emit if stream else None
     spec = (self._many if many else self._few).spec
@@ -176,9 +180,8 @@ class Generator:
       per_row = 2 * sampler.block_size if getattr(sampler, "kv_cache", False) else canvas.tokens.shape[1]
       many = len(prompts) * per_row > FEW_ROWS
       try:
-        out = self._run((self._many if many else self._few).params, *arrays, sampler=sampler, layout=layout,
-                        record=record_drafts, stream=on_draft is not None,
-                        many=many)
+        out = self.decode_canvas((self._many if many else self._few).params, *arrays, sampler=sampler, layout=layout,
+                                record=record_drafts, stream=on_draft is not None, many=many)
         out = jax.device_get(out)
       finally:
         self._on_step = None

@@ -4,10 +4,12 @@
    temperature over its top-p nucleus; argmax at temperature 0) and its
    probability under the untempered p(x0), [MASK] excluded (SUBS);
 2. commit: every proposal at least `threshold` sure, and never fewer than
-   `min_tokens` (the most confident first, or with `in_order` the leftmost
+   the floor (the most confident first, or with `in_order` the leftmost
    first: an AR model adapted to diffusion always commits the position its
-   base predicts exactly). Fast-dLLM's rule is (0.9, 1); LLaDA's
-   low-confidence top-k is (never, k);
+   base predicts exactly). The floor is `min_tokens`, or with `steps` an
+   even share of what the block has left over the passes it has left
+   (`floor`). Fast-dLLM's rule is threshold 0.9, floor 1; LLaDA's
+   low-confidence remasking is threshold never, `steps` passes a block;
 3. revise (`revise`, an AR model adapted to diffusion only): drafts are
    kept only while the base's own causal pass proposes them too (`verify`),
    so the text is the base's and the drafts buy speed;
@@ -58,6 +60,7 @@ class Decoding:
   min_tokens: Int[Array, "b"]
   in_order: Bool[Array, "b"]  # the floor's tokens are the leftmost undecided, not the most confident
   revise: Bool[Array, "b"]  # drafts kept only where the base agrees (`verify`)
+  steps: Int[Array, "b"]  # > 0: a block ends after this many passes, its floor spread evenly over them (`floor`)
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
   presence_penalty: Float[Array, "b"]
@@ -69,11 +72,11 @@ class Decoding:
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False,
-                revise: bool = False) -> "Decoding":
+                revise: bool = False, steps: int = 0) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
     ids, values = bias_arrays(logit_bias)
     return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool), full(revise, bool),
-               full(temperature, np.float32),
+               full(steps, np.int32), full(temperature, np.float32),
                full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
 
@@ -202,6 +205,24 @@ def commit(conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], threshold,
   return candidates & ((conf >= jnp.asarray(threshold)[..., None]) | top)
 
 
+def picks(d: Decoding, conf: Float[Array, "b t"], candidates: Bool[Array, "b t"], step) -> Bool[Array, "b t"]:
+  """Which candidates a pass commits under each row's settings `d`, on its
+  block's `step`-th pass ([B] array or scalar): step 2 of the rule."""
+  return commit(conf, candidates, d.threshold, floor(d, candidates, step), d.in_order)
+
+
+def floor(d: Decoding, candidates: Bool[Array, "b t"], step) -> Int[Array, "b"]:
+  """Each row's floor for this pass: `min_tokens`, or for a row with `steps`
+  what its block has left split evenly over the passes left (the block's
+  `step`-th pass, counted from 0; the last takes all), LLaDA's schedule
+  computed on the fly, so the block ends after exactly `steps` passes."""
+  n_left = jnp.sum(candidates, axis=-1).astype(jnp.int32)
+  steps = jnp.asarray(d.steps, jnp.int32)
+  passes_left = steps - jnp.asarray(step, jnp.int32)
+  share = jnp.where(passes_left > 0, -(-n_left // jnp.maximum(passes_left, 1)), n_left)
+  return jnp.where(steps > 0, share, jnp.asarray(d.min_tokens, jnp.int32))
+
+
 def offer(conf: Float[Array, "b t"], threshold) -> Int[Array, "b"]:
   """How many drafts of a block a revising pass sends ahead, after the
   block's first token (the base's own, from the clean state before it):
@@ -268,8 +289,8 @@ def bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:
   return tuple((t, float(b)) for t, b in items)
 
 
-def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float, presence_penalty: float = 0.0,
-          frequency_penalty: float = 0.0, logit_bias: tuple[tuple[int, float], ...] = (),
+def check(*, threshold: float, min_tokens: int, steps: int = 0, temperature: float, top_p: float,
+          presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: tuple[tuple[int, float], ...] = (),
           vocab_size: int | None = None) -> None:
   """The one validator of the rule's settings (ValueError naming the field)."""
   check_moves(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
@@ -278,6 +299,8 @@ def check(*, threshold: float, min_tokens: int, temperature: float, top_p: float
     raise ValueError(f"threshold must be in [0, 1], got {threshold}")
   if min_tokens < 1:
     raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+  if steps < 0:
+    raise ValueError(f"steps must be >= 0 (0: no schedule), got {steps}")
   if not 0.0 <= temperature <= 100.0:
     raise ValueError(f"temperature must be in [0, 100], got {temperature}")
   if not 0.0 < top_p <= 1.0:
@@ -307,5 +330,5 @@ def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0
 
 
 __all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
-           "commit", "noise_words", "offer", "pass_keys", "penalize", "propose", "rank_desc", "row_keys", "token_counts",
-           "verify", "Verified"]
+           "commit", "floor", "noise_words", "offer", "pass_keys", "penalize", "picks", "propose", "rank_desc",
+           "row_keys", "token_counts", "verify", "Verified"]

@@ -74,7 +74,12 @@ def _eos_in(tokens, lo, hi, eos_id, length):
 
 
 @dataclasses.dataclass(frozen=True)
-class _ConfidenceBase:
+class ConfidenceSampler:
+  """What a refinement rule is to every decoder: its settings as one row of
+  `rule.Decoding` (`decoding`), applied by `rule.propose` and `rule.picks`
+  in the one-shot loops below and, row by row, in the engine's slots. A rule
+  is a subclass naming its settings; the engine serves any whose settings
+  are all in `rule.Decoding`."""
   block_size: int = 32  # 0: one block spanning the whole generation region
   temperature: float = 0.0
   top_p: float = 1.0
@@ -106,7 +111,22 @@ class _ConfidenceBase:
     rule.check(**self._rule_fields(), vocab_size=vocab_size)
 
   def _rule_fields(self) -> dict:
-    return {"threshold": 0.5, "min_tokens": 1, **self._move_fields()}
+    raise NotImplementedError
+
+  def _order_fields(self) -> dict:
+    """in_order and revise where the rule has them (`rule.Decoding`)."""
+    return {}
+
+  @property
+  def revises(self) -> bool:
+    return bool(self._order_fields().get("revise", False))
+
+  def decoding(self, rows: int) -> rule.Decoding:
+    """The rule's settings for `rows` rows (a request's, in the engine)."""
+    return rule.Decoding.broadcast(rows, **self._rule_fields(), **self._order_fields())
+
+  def _picks(self, conf, candidates, step):
+    return rule.picks(self.decoding(conf.shape[0]), conf, candidates, step)
 
   def _move_fields(self) -> dict:
     return {"temperature": self.temperature, "top_p": self.top_p, "presence_penalty": self.presence_penalty,
@@ -161,7 +181,7 @@ class _ConfidenceBase:
                                jnp.maximum(cols - lay.gen_start, 0), lay, tokens, valid)
       in_block = (cols >= lo) & (cols < hi)
       candidates = masked & in_block[None, :] & ~s["done"][:, None]
-      commit = rule.commit(conf, candidates, *self._settings(candidates, s["step"]))
+      commit = self._picks(conf, candidates, s["step"])
       tokens = jnp.where(commit, x0, tokens)
       block_left = jnp.any((tokens == lay.mask_id) & valid & in_block[None, :] & ~s["done"][:, None])
       finished = ~block_left | (s["step"] + 1 >= steps_cap)
@@ -235,7 +255,7 @@ class _ConfidenceBase:
       x0, conf = self._propose(logits, rule.pass_keys(keys, s["block"], s["step"]),
                                s["block"] * bs + jnp.arange(bs), lay, s["tokens"], valid)
       candidates = (blk == lay.mask_id) & ~s["done"][:, None]
-      commit = rule.commit(conf, candidates, *self._settings(candidates, s["step"]))
+      commit = self._picks(conf, candidates, s["step"])
       blk = jnp.where(commit, x0, blk)
       finished = ~jnp.any((blk == lay.mask_id) & ~s["done"][:, None]) | (s["step"] + 1 >= steps_cap)
       tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], blk, lo, axis=1)
@@ -281,7 +301,7 @@ def block_causal_mask(valid, lay: Layout, block_size: int) -> kernels.AttentionM
 
 
 @dataclasses.dataclass(frozen=True)
-class LowConfidenceSampler(_ConfidenceBase):
+class LowConfidenceSampler(ConfidenceSampler):
   """LLaDA low-confidence remasking: `steps` refinement steps per block."""
   steps: int = 32
 
@@ -293,18 +313,14 @@ class LowConfidenceSampler(_ConfidenceBase):
     if self.steps < 1:
       raise ValueError(f"steps must be >= 1, got {self.steps}")
 
-  def _settings(self, candidates, step):
-    """(threshold, min_tokens, in_order) of the rule: the k most confident, k an even
-    split of what is left over the steps left, so each block ends after
-    exactly `steps` steps (LLaDA's schedule, computed on the fly)."""
-    n_left = jnp.sum(candidates, axis=-1)
-    steps_left = self.steps - step
-    k = jnp.where(steps_left > 0, -(-n_left // jnp.maximum(steps_left, 1)), n_left)
-    return rule.NEVER, k, False
+  def _rule_fields(self) -> dict:
+    """The k most confident, k an even split of what is left over the steps
+    left, so each block ends after exactly `steps` steps (`rule.floor`)."""
+    return {"threshold": rule.NEVER, "min_tokens": 1, "steps": self.steps, **self._move_fields()}
 
 
 @dataclasses.dataclass(frozen=True)
-class ThresholdSampler(_ConfidenceBase):
+class ThresholdSampler(ConfidenceSampler):
   """Fast-dLLM: commit every proposal with p >= threshold, and always the
   `min_tokens` most confident ones (Fast-dLLM's rule is min_tokens=1), or
   with `in_order` the `min_tokens` leftmost ones. A floor above 1 bounds the
@@ -387,20 +403,13 @@ class ThresholdSampler(_ConfidenceBase):
   def _rule_fields(self) -> dict:
     return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
 
+  def _order_fields(self) -> dict:
+    return {"in_order": self.in_order, "revise": self.revise}
+
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len
     return -(-min(size, lay.gen_len) // max(self.min_tokens, 1))
 
-  def _settings(self, candidates, step):
-    return self.threshold, self.min_tokens, self.in_order
-
-  def decoding(self, rows: int) -> rule.Decoding:
-    """The rule's settings for `rows` rows (a request's, in the engine)."""
-    return rule.Decoding.broadcast(rows, threshold=self.threshold, min_tokens=self.min_tokens, in_order=self.in_order,
-                                   revise=self.revise,
-                                   temperature=self.temperature, top_p=self.top_p,
-                                   presence_penalty=self.presence_penalty,
-                                   frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,3 +480,10 @@ class AncestralSampler:
 
 
 SAMPLERS = {"ancestral": AncestralSampler, "low_confidence": LowConfidenceSampler, "threshold": ThresholdSampler}
+# The rules whose settings are rows of `rule.Decoding`: what the engine's shared passes serve.
+RULES = {name: kind for name, kind in SAMPLERS.items() if issubclass(kind, ConfidenceSampler)}
+
+
+def rule_name(sampler) -> str:
+  """The name a sampler goes by in SAMPLERS (the CLI's and the server's `sampler`)."""
+  return next(name for name, kind in SAMPLERS.items() if type(sampler) is kind)

@@ -362,8 +362,7 @@ def _engine_requests(state: ServerState, prompts: list[Prompt], s: Sampling, suf
     if grammar is not None:
       raise APIError(400, "revise: a revising request does not run under a grammar (structured outputs, tools)",
                      param="revise", code="invalid_value")
-  sampler = state.engine.sampler_for(s.effort, temperature=s.temperature, top_p=s.top_p, revise=s.revise,
-                                     revisable=not suffix and grammar is None, **s.moves())
+  sampler = state.engine.sampler_for(s.effort, revisable=not suffix and grammar is None, **s.rule())
   suffix_ids = state.engine.encode(suffix, add_bos=False) if suffix else []
   base_seed = s.seed if s.seed is not None else secrets.randbits(31)
   return [state.engine.prepare(EngineRequest(p.ids, s.max_tokens, sampler, seed=base_seed + i, stop=s.stop,

@@ -14,6 +14,7 @@ from typing import Any
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
 from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
 from mdlm_jax.sampling.rule import MAX_LOGIT_BIAS
+from mdlm_jax.sampling.samplers import RULES
 
 
 class APIError(Exception):
@@ -61,6 +62,13 @@ class Sampling:
   frequency_penalty: float = 0.0
   logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
   revise: bool | None = None  # drafts kept only where the base agrees (None: as the effort has it)
+  sampler: str | None = None  # a rule of samplers.RULES instead of the effort's threshold rule
+  steps: int | None = None  # low_confidence: passes per block
+
+  def rule(self) -> dict:
+    """The rule's name and settings as `presets.for_model` takes them."""
+    return {"sampler": self.sampler, "steps": self.steps, "temperature": self.temperature, "top_p": self.top_p,
+            "revise": self.revise, **self.moves()}
 
   def moves(self) -> dict:
     """The logit moves as sampler settings (`presets.sampler_for` overrides)."""
@@ -141,8 +149,33 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
     penalties[name] = float(_get(body, name, (int, float), 0.0))
     if not -2.0 <= penalties[name] <= 2.0:
       raise _bad(name, f"must be in [-2, 2], got {penalties[name]}")
+  sampler, steps = parse_rule(body)
   return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user,
-                  logit_bias=parse_logit_bias(body), revise=_get(body, "revise", bool, None), **penalties)
+                  logit_bias=parse_logit_bias(body), revise=_get(body, "revise", bool, None), sampler=sampler,
+                  steps=steps, **penalties)
+
+
+MAX_STEPS = 1024
+
+
+def parse_rule(body: dict) -> tuple[str | None, int | None]:
+  """(sampler, steps): the refinement rule a request names instead of the
+  effort's, `steps` its passes per block for low_confidence."""
+  sampler = _get(body, "sampler", str, None)
+  if sampler is not None and sampler not in RULES:
+    raise _bad("sampler", f"must be one of {', '.join(RULES)}, got {sampler!r}")
+  steps = _get(body, "steps", int, None)
+  if steps is not None:
+    if sampler != "low_confidence":
+      raise _bad("steps", "sets the passes per block of sampler=low_confidence")
+    if not 1 <= steps <= MAX_STEPS:
+      raise _bad("steps", f"must be in [1, {MAX_STEPS}], got {steps}")
+  if sampler == "low_confidence":
+    if "reasoning_effort" in body:
+      raise _bad("reasoning_effort", "chooses the threshold rule's settings; sampler=low_confidence takes steps")
+    if body.get("revise"):
+      raise _bad("revise", "revision verifies the threshold rule's drafts; it does not apply to low_confidence")
+  return sampler, steps
 
 
 def parse_output_cap(body: dict) -> tuple[int | None, str]:
@@ -336,15 +369,16 @@ def require_object(body: Any) -> dict:
 # (what `extra_body` sends from the official client).
 GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 LOGIT_MOVES = ("presence_penalty", "frequency_penalty", "logit_bias")
+RULE_FIELDS = ("revise", "sampler", "steps")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
              "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",
-             "parallel_tool_calls", "logprobs", "top_logprobs", "revise", *GUIDANCE_FIELDS, *LOGIT_MOVES},
+             "parallel_tool_calls", "logprobs", "top_logprobs", *RULE_FIELDS, *GUIDANCE_FIELDS, *LOGIT_MOVES},
     "completions": {"model", "prompt", "suffix", "echo", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs", "revise",
-                    *GUIDANCE_FIELDS, *LOGIT_MOVES},
+                    "stream", "stream_options", "reasoning_effort", "diffusing", "user", "logprobs",
+                    *RULE_FIELDS, *GUIDANCE_FIELDS, *LOGIT_MOVES},
     "fim": {"model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-            "stream_options", "reasoning_effort", "diffusing", "user", "revise"},
+            "stream_options", "reasoning_effort", "diffusing", "user", *RULE_FIELDS},
     "apply": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
               "stream", "stream_options", "reasoning_effort", "user"},
 }

@@ -3,7 +3,6 @@
 import gzip
 import itertools
 import json
-import os
 import zipfile
 
 import pytest

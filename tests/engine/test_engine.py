@@ -15,7 +15,7 @@ from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request, ride_with_head
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import Generator
-from mdlm_jax.sampling.samplers import ThresholdSampler
+from mdlm_jax.sampling.samplers import LowConfidenceSampler, ThresholdSampler
 from tests.conftest import adapted_from
 
 PROMPTS = ["def f(x):\n", "import os\nimport sys\n\nclass Thing:\n    ", "x = "]
@@ -55,6 +55,26 @@ def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
     assert done.finish_reason == want.finish_reason
   # Threshold 1.0 with one token a pass takes 8 passes a block: both pass kinds ran.
   assert engine.stats["steps_with_head"] > 0 and engine.stats["steps_without_head"] > 0
+
+
+def test_low_confidence_and_threshold_rules_share_passes_and_decode_as_alone(loaded, engine):
+  """LLaDA's schedule (k of a block's masks a pass, `steps` passes a block) served in the same passes as
+  the threshold rule, sampled: each request's tokens are the one-shot cached sampler's for it alone."""
+  gen = Generator(loaded)
+  rng = np.random.default_rng()
+  seeds = rng.integers(0, 2 ** 30, size=3).tolist()
+  samplers = [LowConfidenceSampler(steps=3, temperature=0.8, block_size=8, kv_cache=True),
+              ThresholdSampler(threshold=0.6, min_tokens=2, temperature=0.8, block_size=8, kv_cache=True),
+              LowConfidenceSampler(steps=8, block_size=8, kv_cache=True)]
+  gen_ids = [gen.encode_prompt(p) for p in PROMPTS]
+  handles = [engine.submit(Request(ids, 16, smp, seed=seed)) for ids, smp, seed in zip(gen_ids, samplers, seeds)]
+  results = [h.result(timeout=120) for h in handles]
+  for done, p, smp, seed in zip(results, PROMPTS, samplers, seeds):
+    want = gen.generate([p], max_new_tokens=16, seed=seed, sampler=smp).completions[0]
+    assert done.text == want.text
+  # steps=3 over blocks of 8 takes 3 passes a block (k = 3, 3, 2), after the prompt's.
+  first = results[0]
+  assert first.passes == 1 + 3 * -(-max(first.completion_tokens, 1) // 8)
 
 
 def test_infilling_matches_the_generator_and_respects_max_tokens(loaded, engine):

@@ -9,16 +9,26 @@ import numpy as np
 from mdlm_jax.engine.requests import Request
 from mdlm_jax.engine.slots import SlotConfig
 from mdlm_jax.engine.turns import Turn, decode, encode
-from mdlm_jax.sampling.samplers import ThresholdSampler
+from mdlm_jax.sampling.samplers import RULES, ThresholdSampler
 
 SC = types.SimpleNamespace(num_slots=3, max_prompt=8, block_size=4, bitmask_words=2)
 
 
-def samplers_unlike_the_default(rng) -> list[ThresholdSampler]:
-  """Every travelling field away from its default, in one sampler or another (revise excludes the fused
-  head): a field the encoding forgot comes back wrong."""
+def samplers_unlike_the_default(rng) -> list:
+  """Every travelling field of every rule the engine serves away from its default, in one sampler or
+  another (revise excludes the fused head): a field the encoding forgot comes back wrong."""
+  out = []
+  for kind in RULES.values():
+    changes = _changed_fields(kind, rng)
+    apart = [f for f in ("revise", "fused_head") if f in changes] or [None]
+    out += [kind(block_size=SC.block_size, kv_cache=True, **{k: v for k, v in changes.items() if k != other})
+            for other in apart]
+  return out
+
+
+def _changed_fields(kind, rng) -> dict:
   changes = {}
-  for f in dataclasses.fields(ThresholdSampler):
+  for f in dataclasses.fields(kind):
     if f.name in ("block_size", "kv_cache", "block_causal"):  # the engine's own (cached blocks of its size)
       continue
     if isinstance(f.default, bool):
@@ -31,9 +41,7 @@ def samplers_unlike_the_default(rng) -> list[ThresholdSampler]:
       changes[f.name] = ((int(rng.integers(5, 50)), float(np.float32(rng.normal()))),)
     else:
       raise AssertionError(f"the test does not know how to vary {f.name}")
-  apart = ("revise", "fused_head")
-  return [ThresholdSampler(block_size=SC.block_size, kv_cache=True,
-                           **{k: v for k, v in changes.items() if k != other}) for other in apart]
+  return changes
 
 
 def test_every_setting_travels():
@@ -41,15 +49,16 @@ def test_every_setting_travels():
   for sampler in samplers_unlike_the_default(rng):
     request = Request([1, 2, 3], 8, sampler, suffix_ids=[7, 9])
     key = np.asarray(rng.integers(0, 1 << 31, 2), np.uint32)
-    turn = Turn(release=[2], admits=[(1, request, key, 0, 5)], rows=2, with_head=True, revising=sampler.revise)
+    revising = getattr(sampler, "revise", False)
+    turn = Turn(release=[2], admits=[(1, request, key, 0, 5)], rows=2, with_head=True, revising=revising)
     back = decode(encode(turn, SC), SC)
     (row, got, got_key, start, stop), = back.admits
-    assert got.sampler == sampler
+    assert type(got.sampler) is type(sampler) and got.sampler == sampler
     assert (row, start, stop, list(got.prompt_ids), list(got.suffix_ids), got.max_tokens) == (1, 0, 5, [1, 2, 3],
                                                                                                [7, 9], 8)
     np.testing.assert_array_equal(got_key, key)
     assert back.release == [2] and back.rows == 2 and back.with_head and not back.stop
-    assert back.revising == sampler.revise
+    assert back.revising == revising
 
 
 def test_turns_survive_the_broadcast_encoding():

@@ -6,6 +6,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests.compiles import compilations
 from tests.conftest import load_config
 from mdlm_jax.parallel import sharding
 from mdlm_jax.checkpoints.loading import LoadedModel
@@ -63,9 +64,9 @@ def test_invariants(generator, sampler):
   ids = [generator.encode_prompt(p) for p in prompts]
   canvas = make_canvas(ids, 24, mask_id=tok.mask_id, pad_id=tok.pad_id, suffixes=[tok.encode(s) for s in suffixes])
   layout = Layout(canvas.gen_start, canvas.gen_len, tok.mask_id, tok.eos_id)
-  out = generator._run(generator.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
-                       jnp.asarray(canvas.positions), rule.row_keys(jnp.arange(2)), sampler=sampler, layout=layout,
-                       record=True)
+  out = generator.decode_canvas(generator.loaded.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
+                                jnp.asarray(canvas.positions), rule.row_keys(jnp.arange(2)), sampler=sampler,
+                                layout=layout, record=True)
   out = jax.device_get(out)
   final = out["tokens"]
   # Prompt, suffix and padding are never changed.
@@ -309,12 +310,13 @@ def test_presets_commit_nested_sets():
 def test_streaming_drafts_compile_once(generator):
   """Each call's draft handler is reached through one compiled callback."""
   sampler = ThresholdSampler(threshold=0.3, block_size=8)
-  seen, sizes = [], []
+  seen, compiled = [], []
   for i in range(3):
-    generator.generate(["y = "], max_new_tokens=8, sampler=sampler, seed=i,
-                       on_draft=lambda step, drafts, i=i: seen.append((i, step, drafts[0])))
-    sizes.append(generator._run._cache_size())
-  assert sizes[0] == sizes[1] == sizes[2]  # no recompilation for a new handler
+    with compilations() as names:
+      generator.generate(["y = "], max_new_tokens=8, sampler=sampler, seed=i,
+                         on_draft=lambda step, drafts, i=i: seen.append((i, step, drafts[0])))
+    compiled.append(names)
+  assert compiled[1] == compiled[2] == []  # no recompilation for a new handler
   for i in range(3):
     drafts = [d for j, _, d in seen if j == i]
     assert drafts[0] == "\u2591" * 8 and "\u2591" not in drafts[-1]
@@ -339,6 +341,25 @@ def test_in_order_floor_commits_the_leftmost_candidates():
     want[ranked[:floor[r]]] = True
     want |= candidates[r] & (conf[r] >= threshold[r])
     np.testing.assert_array_equal(got[r], want, err_msg=str(r))
+
+
+def test_the_steps_floor_is_lladas_schedule_row_by_row():
+  """rule.floor: rows with `steps` commit LLaDA's get_num_transfer_tokens (n // steps each pass, the
+  first n % steps passes one more), from the masks the block has left; rows without keep min_tokens."""
+  from mdlm_jax.sampling import rule
+  rng = np.random.default_rng()
+  rows, width = 8, 16
+  steps = rng.integers(0, 7, size=rows)
+  d = rule.Decoding.broadcast(rows, threshold=rule.NEVER, min_tokens=3).replace(steps=steps.astype(np.int32))
+  n = rng.integers(1, width + 1, size=rows)
+  schedule = [[n[r] // k + (i < n[r] % k) for i in range(k)] if (k := steps[r]) else [3] * 6 for r in range(rows)]
+  for step in range(6):
+    spent = np.asarray([sum(sch[:step]) if steps[r] else 0 for r, sch in enumerate(schedule)])
+    left = np.arange(width)[None] < (n - spent)[:, None]
+    got = np.asarray(rule.floor(d, jnp.asarray(left), step))
+    for r in range(rows):
+      if step < len(schedule[r]):
+        assert got[r] == schedule[r][step], (r, step, schedule[r])
 
 
 def test_adapted_ar_models_decode_in_order_with_the_floors_share_of_the_block():

@@ -3,7 +3,6 @@ only what alignment cannot, among placements that keep every original line."""
 
 import json
 
-import httpx
 import pytest
 
 from mdlm_jax.server import apply_edit

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -215,6 +216,8 @@ REFUSED = [  # (field, value, code): well formed but not implemented, or malform
     ("functions", [], "unsupported_parameter"), ("frobnicate", 1, "unsupported_parameter"),
     ("revise", "yes", "invalid_value"),
     ("revise", True, "invalid_value"),  # this model has no base to check drafts against
+    ("sampler", "ancestral", "invalid_value"), ("sampler", 3, "invalid_value"),
+    ("steps", 4, "invalid_value"),  # steps belong to sampler=low_confidence
 ]
 
 
@@ -242,6 +245,29 @@ def test_every_field_is_implemented_or_refused_by_name(server):
     r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={**done, field: value}, timeout=60)
     assert r.status_code == 200, (field, r.text)
+
+
+def test_the_low_confidence_rule_is_served_as_the_generator_decodes_it(server, tiny_checkpoints):
+  """sampler=low_confidence with steps: the one-shot LLaDA sampler's text, in steps passes a block."""
+  from mdlm_jax import checkpoints
+  from mdlm_jax.sampling import presets
+  from mdlm_jax.sampling.generate import Generator
+  from mdlm_jax.sampling.samplers import LowConfidenceSampler
+  loaded = checkpoints.load(tiny_checkpoints["mdlm"])
+  bs = presets.block_size_for(loaded.config.diffusion.block_size)
+  seed = int(np.random.default_rng().integers(0, 2 ** 30))
+  body = {"model": "tiny", "prompt": "def f(x):\n", "max_tokens": 12, "sampler": "low_confidence", "steps": 2,
+          "temperature": 0.7, "seed": seed}
+  r = httpx.post(server[1] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+  assert r.status_code == 200, r.text
+  want = Generator(loaded).generate(["def f(x):\n"], max_new_tokens=12, seed=seed, sampler=LowConfidenceSampler(
+      steps=2, temperature=0.7, block_size=bs, kv_cache=True)).completions[0]
+  got = r.json()
+  assert got["choices"][0]["text"] == want.text
+  assert got["usage"]["forward_passes"] == 1 + 2 * -(-max(got["usage"]["completion_tokens"], 1) // bs)
+  for extra, param in (({"reasoning_effort": "high"}, "reasoning_effort"), ({"revise": True}, "revise"),
+                       ({"steps": 0}, "steps")):
+    assert _error(server[1], "POST", "/v1/completions", 400, json={**body, **extra})["param"] == param
 
 
 def test_logit_bias_and_penalties_reach_the_decoder(server, tiny_checkpoints):
