@@ -15,13 +15,18 @@ the same prompts, on this machine, at batch 1:
 - the speed ratio to the base at each effort;
 - revision (`revise`: drafts kept only where the base's causal pass agrees,
   so the text is the base's own) at each of --revise-thresholds, the least
-  sure a draft may be to be offered; `--png` plots both curves.
+  sure a draft may be to be offered; `--png` plots both curves;
+- each setting's mean pass time beside the memory-bandwidth bound of the
+  bytes it reads (`bench.bound`: weights and KV cache over a bandwidth
+  measured in the same run), and the fraction of that bound it reaches.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+import numpy as np
 
 from mdlm_jax.bench.common import add_output_flags, finish, save_figure
 
@@ -82,7 +87,33 @@ def humaneval_chat(backend, tasks, answer_tokens: int) -> dict:
   r = humaneval.run_mode(backend, tasks, "chat", samples=1, max_tokens=answer_tokens, ks=[1], jobs=2,
                          timeout_s=5.0, memory_mb=1024)
   keep = ("pass@1", "tasks", "tokens_per_pass", "tokens_per_s", "answer_tokens", "forward_passes", "generation_s")
-  return {**{k: r[k] for k in keep}, "passed": len(r["passed"])}
+  row = {**{k: r[k] for k in keep}, "passed": len(r["passed"])}
+  if hasattr(backend, "engine"):  # the engine's host work between passes, as a share of its pass turns
+    row["host_share"] = backend.engine.host_share()
+  return row
+
+
+def pass_bounds(rows: dict, adapted, base, tasks) -> dict:
+  """Each setting's mean pass (its generation time over its passes, host
+  work and prefills included) beside the memory-bandwidth bound of the bytes
+  a pass reads (`bench.bound`), the bandwidth measured now. A pass attends to
+  the prompt and, on average, half the answer."""
+  from mdlm_jax.bench import bound
+  from mdlm_jax.server import chat_template
+  bandwidth = bound.copy_bandwidth()
+  prompts = [chat_template.render([{"role": "user", "content": t.request}], adapted.chat_template,
+                                  adapted.tokenizer)[0] for t in tasks]
+  prompt_tokens = float(np.mean([len(adapted.tokenizer.encode(p)) for p in prompts]))
+  out = {"bandwidth_gb_s": bandwidth / 1e9, "mean_prompt_tokens": prompt_tokens}
+  for name, row in rows.items():
+    model = base if name == "base" else adapted
+    cache = prompt_tokens + row["answer_tokens"] / max(row["tasks"], 1) / 2
+    out[name] = bound.pass_bound(row["generation_s"] / max(row["forward_passes"], 1),
+                                 bound.weight_bytes(model.params, model.spec.cfg), cache, model.spec.cfg, bandwidth)
+    print(f"{name}: {out[name]['pass_s'] * 1e3:.1f} ms a pass, {out[name]['bytes_per_pass'] / 1e6:.0f} MB read,"
+          f" {out[name]['fraction_of_bound']:.2f} of the {bandwidth / 1e9:.1f} GB/s bound"
+          + (f", host {row['host_share']:.1%} of a pass turn" if "host_share" in row else ""), file=sys.stderr)
+  return out
 
 
 def code_completions(gen, prompts, new_tokens: int, sampler, scorer) -> dict:
@@ -132,6 +163,7 @@ def main(argv=None):
       result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:
       backend.close()
+  result["bound"] = pass_bounds(result["humaneval_chat"], adapted, base, tasks)
   he = result["humaneval_chat"]
   for effort in settings:
     he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)

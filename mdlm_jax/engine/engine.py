@@ -224,6 +224,7 @@ class Engine:
     self._stop = False
     self._thread: threading.Thread | None = None
     self.stats = collections.Counter()
+    self._waited = 0.0  # seconds the last gather waited for the device
     # The distinct static signatures the programs were called with: one compiled program each.
     self._signatures = {"passes": set(), "prefills": set()}
     self._finish_reasons: collections.Counter[str] = collections.Counter()
@@ -312,6 +313,13 @@ class Engine:
         if i:  # the first compiles, or waits for whatever ran before
           best = min(best, time.perf_counter() - t0)
     return best
+
+  def host_share(self) -> float:
+    """Of the wall time of the turns that were one pass and nothing else
+    (no prefill), the share the device was not working for: planning,
+    dispatch, publishing, grammar work (nan before any such turn)."""
+    turns = self.stats["pass_turn_seconds"]
+    return 1.0 - self.stats["pass_wait_seconds"] / turns if turns else float("nan")
 
   def pass_flops(self, slots: int, with_head: bool) -> float:
     """Model FLOPs of that pass: every slot's block reads the whole cache and
@@ -477,6 +485,7 @@ class Engine:
           if idle and jax.process_count() == 1 and not self._release_next:
             continue
           self._await_burst()
+          t0 = time.perf_counter()
           turn = self._share(self._plan())
           self._apply(turn)
           if turn.stop:
@@ -486,6 +495,10 @@ class Engine:
             self.stats["steps_with_head" if turn.with_head else "steps_without_head"] += 1
             self.stats["steps_guided"] += int(turn.guided)
             self._publish(self._gather(turn.guided, turn.logprobs))
+            if not turn.admits:  # a turn that is one pass and nothing else: where host work shows
+              self.stats["pass_turns"] += 1
+              self.stats["pass_turn_seconds"] += time.perf_counter() - t0
+              self.stats["pass_wait_seconds"] += self._waited
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
       with self._lock:
@@ -700,10 +713,14 @@ class Engine:
     if logprobs and not single:
       arrays += (s.logp, s.top_ids, s.top_logp)
     if single:
+      t0 = time.perf_counter()
       out = jax.device_get(arrays)
+      self._waited = time.perf_counter() - t0
     else:
       from jax.experimental import multihost_utils
+      t0 = time.perf_counter()
       out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
+      self._waited = time.perf_counter() - t0
     if guided:
       self._guided_view = tuple(out[9:12])
     lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None

@@ -35,3 +35,8 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   assert he["0.3+revise"]["passed"] == he["base"]["passed"] and he["0.3+revise"]["tokens_per_pass"] > 0
   assert os.path.getsize(res["png"]) > 0
   assert set(res["code"]) == {"base", "medium", "0.3+revise"} and 0 <= res["code"]["medium"]["parse_rate"] <= 1
+  b = res["bound"]
+  for name in ("base", "medium", "0.3+revise"):
+    assert b[name]["pass_s"] == pytest.approx(he[name]["generation_s"] / he[name]["forward_passes"])
+    assert 0 < b[name]["fraction_of_bound"] and b[name]["bytes_per_pass"] > b[name]["weight_bytes"] > 0
+  assert 0 <= he["medium"]["host_share"] < 1 and "host_share" not in he["base"]

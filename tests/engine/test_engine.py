@@ -55,6 +55,7 @@ def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
     assert done.finish_reason == want.finish_reason
   # Threshold 1.0 with one token a pass takes 8 passes a block: both pass kinds ran.
   assert engine.stats["steps_with_head"] > 0 and engine.stats["steps_without_head"] > 0
+  assert engine.stats["pass_turns"] > 0 and 0 <= engine.host_share() < 1
 
 
 def test_low_confidence_and_threshold_rules_share_passes_and_decode_as_alone(loaded, engine):

@@ -1,0 +1,53 @@
+"""The memory-bandwidth bound of a decoding pass: at batch 1 a pass reads
+every weight once and the KV cache it attends to, and does little
+arithmetic per byte, so the fastest it can go is those bytes over the
+machine's memory bandwidth. The bandwidth is measured in the same run (a
+large array read and written once), so a pass's fraction of the bound says
+how much of the time is the memory's and how much is left to take."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdlm_jax.model.kv_cache import KVCache
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+  """Bytes per second of `x + 1` over a `mib`-MiB float32 array: each byte
+  read once and written once, the fastest of `repeats` after a warm-up. The
+  array is far larger than any cache, as a model's weights are."""
+  x = jnp.zeros((mib * (1 << 20) // 4,), jnp.float32)
+  bump = jax.jit(lambda a: a + 1.0)
+  jax.block_until_ready(bump(x))
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(bump(x))
+    best = min(best, time.perf_counter() - t0)
+  return 2 * x.nbytes / best
+
+
+def weight_bytes(params, cfg) -> int:
+  """Bytes of weights one pass reads: every array of the model, but an
+  untied token embedding, of which a pass gathers only its tokens' rows
+  (a tied one is the output head too, read whole)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    untied_table = not cfg.tie_embeddings and "embedding" in jax.tree_util.keystr(path)
+    if not untied_table:
+      total += int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def pass_bound(pass_s: float, weights: int, cache_tokens: float, cfg, bandwidth: float) -> dict:
+  """A pass's bytes (weights and the keys and values of `cache_tokens`
+  cached tokens, the mean a pass attends to), the time those bytes take at
+  `bandwidth`, and the fraction of that bound the measured pass reaches."""
+  read = weights + cache_tokens * KVCache.bytes_per_token(cfg)
+  bound_s = read / bandwidth
+  return {"bytes_per_pass": int(read), "weight_bytes": int(weights), "pass_s": pass_s, "bound_s": bound_s,
+          "fraction_of_bound": bound_s / pass_s if pass_s > 0 else float("nan")}
