@@ -49,15 +49,25 @@ def block_size_for(model_block_size: int) -> int:
 def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, **overrides):
   """The preset for `effort`, or the named sampler, with any overrides
   (None leaves a field as it is). Settings are validated by the sampler."""
+  base = _named(effort, sampler)
+  return dataclasses.replace(base, **_changes(base, overrides))
+
+
+def _named(effort: str, sampler: str | None):
+  """The preset for `effort`, or the named sampler in cached blocks where it has them."""
   if effort not in PRESETS:
     raise ValueError(f"unknown effort {effort!r}; choose from {', '.join(EFFORTS)}")
-  base = PRESETS[effort]
-  if sampler is not None:
-    if sampler not in SAMPLERS:
-      raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(SAMPLERS)}")
-    kind = SAMPLERS[sampler]  # cached blocks where the sampler has them, as the presets decode
-    base = kind(block_size=BLOCK, kv_cache=True) if "kv_cache" in {f.name for f in dataclasses.fields(kind)} \
-        else kind()
+  if sampler is None:
+    return PRESETS[effort]
+  if sampler not in SAMPLERS:
+    raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(SAMPLERS)}")
+  kind = SAMPLERS[sampler]
+  return kind(block_size=BLOCK, kv_cache=True) if "kv_cache" in {f.name for f in dataclasses.fields(kind)} \
+      else kind()
+
+
+def _changes(base, overrides: dict) -> dict:
+  """The overrides that are set, each checked to be a field of `base`."""
   unknown = set(overrides) - set(_OVERRIDES)
   if unknown:
     raise TypeError(f"sampler_for got unknown settings {sorted(unknown)}")
@@ -69,7 +79,7 @@ def sampler_for(effort: str = DEFAULT_EFFORT, *, sampler: str | None = None, **o
     if name not in fields:
       raise ValueError(f"--{name.replace('_', '-')} does not apply to the {type(base).__name__}")
     changes[name] = value
-  return dataclasses.replace(base, **changes)
+  return changes
 
 
 def adapt_to_model(sampler, model_block_size: int):
@@ -117,19 +127,22 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
   if revise and not revisable:
     raise ValueError("revise writes left to right from a prompt: it cannot infill against a suffix or run under"
                      " a grammar")
-  s = sampler_for(effort, sampler=sampler, **overrides)
-  if revise and not isinstance(s, ThresholdSampler):
-    raise ValueError(f"revise applies to the threshold sampler, not the {type(s).__name__}")
-  s = s if overrides.get("block_size") is not None else adapt_to_model(s, model_block_size)
-  if model_block_size <= 0 and overrides.get("kv_cache") is None and hasattr(s, "kv_cache"):
-    s = dataclasses.replace(s, kv_cache=False)  # exact unless the caller opts into the approximation
-  if in_order and isinstance(s, ThresholdSampler):
-    share = 1 if effort in BASE_FIRST_EFFORTS else max(1, s.min_tokens * s.block_size // PRESET_BLOCK)
-    floor = s.min_tokens if overrides.get("min_tokens") is not None else share
-    s = dataclasses.replace(s, in_order=True, min_tokens=floor)
+  base = _named(effort, sampler)
+  if revise and not isinstance(base, ThresholdSampler):
+    raise ValueError(f"revise applies to the threshold sampler, not the {type(base).__name__}")
+  changes = _changes(base, overrides)
+  has_cache = "kv_cache" in {f.name for f in dataclasses.fields(base)}
+  if "block_size" not in changes and model_block_size > 0 and changes.get("kv_cache", has_cache and base.kv_cache):
+    changes["block_size"] = model_block_size  # BD3-LM: exact cached blocks of the trained size
+  if model_block_size <= 0 and "kv_cache" not in changes and has_cache:
+    changes["kv_cache"] = False  # exact unless the caller opts into the approximation
+  if in_order and isinstance(base, ThresholdSampler):
+    block = changes.get("block_size", base.block_size)
+    min_tokens = changes.get("min_tokens", base.min_tokens)
+    share = 1 if effort in BASE_FIRST_EFFORTS else max(1, min_tokens * block // PRESET_BLOCK)
+    changes.update(in_order=True, min_tokens=min_tokens if overrides.get("min_tokens") is not None else share)
     if revise is None:
-      revise = effort in BASE_FIRST_EFFORTS and revisable and s.kv_cache and s.block_size >= 2
+      revise = effort in BASE_FIRST_EFFORTS and revisable and changes.get("kv_cache", base.kv_cache) and block >= 2
     if revise:
-      threshold = s.threshold if overrides.get("threshold") is not None else DRAFT_THRESHOLD
-      s = dataclasses.replace(s, revise=True, threshold=threshold)
-  return s
+      changes.update(revise=True, threshold=changes.get("threshold", DRAFT_THRESHOLD))
+  return dataclasses.replace(base, **changes)  # validated once, as built
