@@ -86,6 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
   # KL to the clean stream's own next-token distribution (the frozen base's
   # when only adapters train) against the masked-token NELBO. Not in the bound.
   d.distill_weight = 0.0
+  # Block diffusion, training only: each row also seen with the complement of
+  # its masks, so every token is scored in one of the two views (twice the
+  # compute a row; the term is the views' mean).
+  d.complementary_masks = False
 
   c.data = dt = ml_collections.ConfigDict()
   dt.corpus = "stdlib"  # "stdlib", a folder, a glob of text files, or a .jsonl file.
@@ -286,6 +290,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            "model.clean_causal", "an adapted AR model is a block-diffusion model (diffusion.block_size > 0) with a"
            " shifted head (model.shift_logits=True)")
 
+  _check(isinstance(d.complementary_masks, bool), "diffusion.complementary_masks", "must be a boolean")
+  _check(not d.complementary_masks or d.block_size > 0, "diffusion.complementary_masks",
+         "applies to block diffusion (diffusion.block_size > 0)")
   lam = d.distill_weight
   _check(0.0 <= lam <= 1.0, "diffusion.distill_weight", f"must be in [0, 1], got {lam}")
   _check(not lam or m.clean_causal, "diffusion.distill_weight",

@@ -86,6 +86,22 @@ def block_forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b
   return jnp.where(masked, mask_id, x0), masked
 
 
+def complementary_views(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b n"], schedule: diffusion.Schedule,
+                        mask_id: int, loss_mask: Bool[Array, "b l"] | None = None):
+  """Two views of each row whose masks are complements (LaViDa's
+  complementary masking): the first is `block_forward_mask`'s draw at t, the
+  second masks exactly the scorable tokens the first leaves in view, which
+  is a draw of q(x_t' | x_0) at the t' where alpha(t') = 1 - alpha(t). Every
+  scorable token is masked, and so trains the model, in one view of each
+  pair. Returns (x_t [2b, l], masked [2b, l], t [2b, n]), the first views first."""
+  _, first = block_forward_mask(key, x0, t, schedule, mask_id)
+  scorable = jnp.ones_like(first) if loss_mask is None else loss_mask
+  masked = jnp.concatenate([first & scorable, ~first & scorable], axis=0)
+  tokens = jnp.concatenate([x0, x0], axis=0)
+  times = jnp.concatenate([t, schedule.time_of(1.0 - schedule.alpha(t))], axis=0)
+  return jnp.where(masked, mask_id, tokens), masked, times
+
+
 def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size: int,
                  valid: Bool[Array, "b l"] | None = None) -> Float[Array, "b l v"]:
   """Logits of the x_t half of one forward pass over [x_t ; x_0]; no token

@@ -50,6 +50,19 @@ class Schedule:
       return jnp.exp(t * math.log(e))
     return e + (1.0 - e) * jnp.cos(0.5 * jnp.pi * t)
 
+  def time_of(self, alpha):
+    """The t at which the schedule reaches `alpha` (the inverse of `alpha`),
+    clipped to [0, 1]."""
+    e = self.eps
+    alpha = jnp.clip(alpha, e, 1.0)
+    if self.kind == "loglinear":
+      t = (1.0 - alpha) / (1.0 - e)
+    elif self.kind == "linear":
+      t = jnp.log(alpha) / math.log(e)
+    else:
+      t = jnp.arccos(jnp.clip((alpha - e) / (1.0 - e), -1.0, 1.0)) / (0.5 * jnp.pi)
+    return jnp.clip(t, 0.0, 1.0)
+
   def dalpha(self, t):
     e = self.eps
     if self.kind == "loglinear":

@@ -73,6 +73,9 @@ class BD3Objective(MDLMObjective):
 
   block_size: int = dataclasses.field(kw_only=True)
   distill_weight: float = dataclasses.field(default=0.0, kw_only=True)
+  # Each row also seen with the complement of its masks (`bd3.complementary_views`),
+  # its term the mean of the two views': every scorable token trains the model.
+  complementary: bool = dataclasses.field(default=False, kw_only=True)
 
   def __post_init__(self):
     if self.block_size <= 0:
@@ -91,8 +94,18 @@ class BD3Objective(MDLMObjective):
     if t is None:
       t = bd3.sample_block_times(k_t, b, n, antithetic=self.antithetic,
                                              sampling_eps=self.sampling_eps, t_max=self.t_max)
+    if self.complementary:
+      xt, masked, times = bd3.complementary_views(k_mask, tokens, t, self.schedule, self.mask_id, loss_mask)
+      both = self._terms(model, jnp.concatenate([tokens, tokens]), xt, masked, times,
+                         None if valid is None else jnp.concatenate([valid, valid]))
+      return 0.5 * (both[:b] + both[b:])
     xt, masked = _only(bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id), tokens, loss_mask,
                        self.mask_id)
+    return self._terms(model, tokens, xt, masked, t, valid)
+
+  def _terms(self, model, tokens, xt, masked, t, valid):
+    """Each token's term [b, l] given its row's noised view."""
+    l = tokens.shape[1]
     if not self.distill_weight:
       logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
       return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
@@ -160,7 +173,8 @@ def from_config(config, mask_id: int, training: bool = False):
     return BD3Objective(
         schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id), antithetic=bool(d.antithetic),
         sampling_eps=lo, t_max=hi, block_size=block_size,
-        distill_weight=float(d.distill_weight) if training else 0.0)
+        distill_weight=float(d.distill_weight) if training else 0.0,
+        complementary=bool(d.complementary_masks) and training)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),

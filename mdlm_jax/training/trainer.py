@@ -363,9 +363,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
       """(tokens, FLOPs) of a step over rows of `length` (chat buckets make rows shorter)."""
       tokens = config.data.batch_size * length
       if config.diffusion.block_size and config.objective == "mdlm":
+        views = 2 if config.diffusion.complementary_masks else 1  # each row run once per view
         if cfg.clean_causal and config.train.trainable == "adapters":
-          return tokens, flops.adapter_train_flops_per_token(cfg, length) * tokens
-        return tokens, flops.block_diffusion_train_flops_per_token(cfg, length) * tokens
+          return tokens, views * flops.adapter_train_flops_per_token(cfg, length) * tokens
+        return tokens, views * flops.block_diffusion_train_flops_per_token(cfg, length) * tokens
       return tokens, flops.train_flops_per_token(cfg, length) * tokens
 
     flops_per_step = step_cost(config.data.seq_len)[1]

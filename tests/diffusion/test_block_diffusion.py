@@ -234,6 +234,41 @@ def test_bd3_objective_matches_numpy():
   assert float(total) == pytest.approx(np.where(masked, w * nll, 0.0).sum(), rel=1e-5)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_complementary_views_score_every_token_once_and_match_numpy(kind):
+  """Complementary masks: each row is seen twice, the second view masking exactly the scorable tokens the
+  first leaves in view, at the t' with alpha(t') = 1 - alpha(t) (the inverse in float64 below); the term
+  is the mean of the views' NELBO terms."""
+  rng = np.random.default_rng()
+  B, L, Lb, V, mask_id = 3, 12, 3, 11, 0
+  logits = rng.normal(size=(2 * B, L, V)).astype(np.float32)
+  x0 = rng.integers(1, V, size=(B, L)).astype(np.int32)
+  t = rng.uniform(0.2, 0.8, size=(B, L // Lb)).astype(np.float32)
+  loss_mask = rng.random((B, L)) < 0.7
+  model = Recorder(logits)
+  obj = objectives.BD3Objective(Schedule(kind, EPS), mask_id, block_size=Lb, complementary=True)
+  per = np.asarray(obj.per_token(model, jnp.asarray(x0), jax.random.key(int(rng.integers(1 << 30))),
+                                 t=jnp.asarray(t), loss_mask=jnp.asarray(loss_mask)), np.float64)
+  (tokens, _, _, _), = model.calls
+  xt = tokens[:, :L]
+  np.testing.assert_array_equal(tokens[:, L:], np.concatenate([x0, x0]))
+  first, second = xt[:B] == mask_id, xt[B:] == mask_id
+  np.testing.assert_array_equal(first ^ second, loss_mask)  # every scorable token masked in exactly one view
+  assert not (first & second).any() and first.any() and second.any()
+  alpha = np_alpha(kind, np.repeat(t.astype(np.float64), Lb, axis=1))
+  target = 1.0 - alpha  # alpha(t') for the second view, solved for t' by bisection
+  lo, hi = np.zeros_like(target), np.ones_like(target)
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    low = np_alpha(kind, mid) > target  # alpha falls with t
+    lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
+  t2 = (lo + hi) / 2
+  nll = -np.take_along_axis(np_log_softmax_without(logits, mask_id), np.concatenate([x0, x0])[..., None], -1)[..., 0]
+  w = np.concatenate([np_weight(kind, np.repeat(t.astype(np.float64), Lb, axis=1)), np_weight(kind, t2)])
+  terms = np.where(np.concatenate([first, second]), w * nll, 0.0)
+  np.testing.assert_allclose(per, 0.5 * (terms[:B] + terms[B:]), rtol=2e-4, atol=1e-6)
+
+
 def test_bd3_objective_is_unbiased():
   """Logits that ignore the input, of a quality that differs by block: the
   Monte Carlo mean must match sum_l E_t[-alpha'(t)] nll_l for every block
@@ -327,6 +362,17 @@ def test_distillation_applies_to_adapted_models_in_training_only(tiny_config):
     c.diffusion.distill_weight = bad
     with pytest.raises(config_lib.ConfigError, match="diffusion.distill_weight"):
       config_lib.validate(c)
+
+
+def test_complementary_masks_apply_to_block_diffusion_in_training_only(tiny_config):
+  c = tiny_config
+  c.diffusion.complementary_masks = True
+  with pytest.raises(config_lib.ConfigError, match="diffusion.complementary_masks"):
+    config_lib.validate(c)  # plain MDLM
+  c.diffusion.block_size = 16
+  config_lib.validate(c)
+  assert objectives.from_config(c, 3, training=True).complementary
+  assert not objectives.from_config(c, 3).complementary  # the bound is the plain NELBO
 
 
 # ------------------------------------------------------------- config and training
