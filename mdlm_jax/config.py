@@ -90,6 +90,10 @@ def base_config() -> ml_collections.ConfigDict:
   # its masks, so every token is scored in one of the two views (twice the
   # compute a row; the term is the views' mean).
   d.complementary_masks = False
+  # Block diffusion, training only: position-dependent mask rates. A block's
+  # tokens are masked at times from (1 - slope) t to (1 + slope) t, left to right,
+  # so its left is in view more often, as when a block decodes left to right.
+  d.position_mask_slope = 0.0
 
   c.data = dt = ml_collections.ConfigDict()
   dt.corpus = "stdlib"  # "stdlib", a folder, a glob of text files, or a .jsonl file.
@@ -293,6 +297,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(isinstance(d.complementary_masks, bool), "diffusion.complementary_masks", "must be a boolean")
   _check(not d.complementary_masks or d.block_size > 0, "diffusion.complementary_masks",
          "applies to block diffusion (diffusion.block_size > 0)")
+  slope = d.position_mask_slope
+  _check(isinstance(slope, (int, float)) and 0.0 <= slope < 1.0, "diffusion.position_mask_slope",
+         f"must be in [0, 1), got {slope!r}")
+  _check(not slope or d.block_size > 0, "diffusion.position_mask_slope",
+         "applies to block diffusion (diffusion.block_size > 0)")
+  _check(not (slope and d.complementary_masks), "diffusion.position_mask_slope",
+         "complementary masks mirror a block's time; position-dependent masking gives each token its own")
   lam = d.distill_weight
   _check(0.0 <= lam <= 1.0, "diffusion.distill_weight", f"must be in [0, 1], got {lam}")
   _check(not lam or m.clean_causal, "diffusion.distill_weight",

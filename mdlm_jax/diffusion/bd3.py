@@ -74,16 +74,45 @@ def sample_block_times(key: jax.Array, batch: int, num_blocks: int, antithetic: 
   return ((t_max - sampling_eps) * u + sampling_eps).reshape(batch, num_blocks)
 
 
+def position_scales(block_size: int, slope: float) -> np.ndarray:
+  """Each position's factor on its block's time (position-dependent masking):
+  1 - slope at a block's first token rising evenly to 1 + slope at its last,
+  so the left of a block is in view more often, as it is when a block is
+  decoded left to right; all 1 with slope 0."""
+  if block_size == 1 or not slope:
+    return np.ones((block_size,), np.float32)
+  return (1.0 + slope * (2.0 * np.arange(block_size) / (block_size - 1) - 1.0)).astype(np.float32)
+
+
+def token_times(t: Float[Array, "b n"], length: int, slope: float = 0.0) -> Float[Array, "b l"]:
+  """Each token's time: its block's, scaled by `position_scales`, at most 1."""
+  n = t.shape[1]
+  scales = jnp.tile(jnp.asarray(position_scales(length // n, slope)), n)
+  return jnp.minimum(jnp.repeat(t, length // n, axis=1, total_repeat_length=length) * scales, 1.0)
+
+
 def block_forward_mask(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b n"],
-                       schedule: diffusion.Schedule, mask_id: int) -> tuple[Int[Array, "b l"], Bool[Array, "b l"]]:
-  """x_t ~ q(x_t | x_0) with block b's tokens masked w.p. 1 - alpha(t_b).
+                       schedule: diffusion.Schedule, mask_id: int,
+                       slope: float = 0.0) -> tuple[Int[Array, "b l"], Bool[Array, "b l"]]:
+  """x_t ~ q(x_t | x_0) with block b's tokens masked w.p. 1 - alpha(t_b), or
+  with `slope` w.p. 1 - alpha of each token's own time (`token_times`).
 
   The same uniform draws as `diffusion.forward_mask` for the same key, so one
   block reproduces MDLM's masks."""
-  block_size = x0.shape[1] // t.shape[1]
-  p_mask = jnp.repeat(1.0 - schedule.alpha(t), block_size, axis=1, total_repeat_length=x0.shape[1])
+  p_mask = 1.0 - schedule.alpha(token_times(t, x0.shape[1], slope))
   masked = jax.random.uniform(key, x0.shape) < p_mask
   return jnp.where(masked, mask_id, x0), masked
+
+
+def token_weights(t: Float[Array, "b n"], length: int, schedule: diffusion.Schedule,
+                  slope: float = 0.0) -> Float[Array, "b l"]:
+  """Each token's NELBO weight at its block's time t: a token whose time is
+  c t follows the schedule alpha(c t), whose weight is c w(c t), and 0 once
+  c t reaches 1 (it stays masked from there, and adds nothing)."""
+  n = t.shape[1]
+  scales = jnp.tile(jnp.asarray(position_scales(length // n, slope)), n)
+  own = jnp.repeat(t, length // n, axis=1, total_repeat_length=length) * scales
+  return jnp.where(own < 1.0, scales * schedule.weight(jnp.minimum(own, 1.0)), 0.0)
 
 
 def complementary_views(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "b n"], schedule: diffusion.Schedule,
@@ -191,12 +220,17 @@ def soft_target_kl(logits: Float[Array, "b l v"], teacher: Float[Array, "b l v"]
 
 
 def block_nelbo_per_token(logits: Float[Array, "b l v"], x0: Int[Array, "b l"], masked: Bool[Array, "b l"],
-                          t: Float[Array, "b n"], schedule: diffusion.Schedule, mask_id: int) -> Float[Array, "b l"]:
-  """w(t_b) * -log p(x_0) at masked positions of block b, 0 elsewhere.
+                          t: Float[Array, "b n"], schedule: diffusion.Schedule, mask_id: int,
+                          slope: float = 0.0) -> Float[Array, "b l"]:
+  """w(t_b) * -log p(x_0) at masked positions of block b, 0 elsewhere (with
+  `slope`, each token's own weight: `token_weights`).
 
   Each block is the MDLM NELBO of a length-L' sequence at its own time, so
   the blocks are folded into the batch and `diffusion.nelbo_per_token` used
   as is."""
+  if slope:
+    weight = token_weights(t, x0.shape[1], schedule, slope)
+    return jnp.where(masked, weight * diffusion.masked_token_nll(logits, x0, mask_id), 0.0)
   b, l, v = logits.shape
   n = t.shape[1]
   per = diffusion.nelbo_per_token(logits.reshape(b * n, l // n, v), x0.reshape(b * n, l // n),

@@ -76,6 +76,9 @@ class BD3Objective(MDLMObjective):
   # Each row also seen with the complement of its masks (`bd3.complementary_views`),
   # its term the mean of the two views': every scorable token trains the model.
   complementary: bool = dataclasses.field(default=False, kw_only=True)
+  # Position-dependent masking (`bd3.position_scales`): a block's tokens at times
+  # (1 - slope) t to (1 + slope) t, left to right, each at its own NELBO weight.
+  position_slope: float = dataclasses.field(default=0.0, kw_only=True)
 
   def __post_init__(self):
     if self.block_size <= 0:
@@ -84,6 +87,11 @@ class BD3Objective(MDLMObjective):
       raise ValueError("block diffusion has one t per block; the model's conditioning takes one per sequence")
     if not 0.0 <= self.distill_weight <= 1.0:
       raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
+    if not 0.0 <= self.position_slope < 1.0:
+      raise ValueError(f"position_slope must be in [0, 1), got {self.position_slope}")
+    if self.position_slope and self.complementary:
+      raise ValueError("complementary masks mirror a block's time; position-dependent masking gives each token"
+                       " its own: use one of them")
 
   def per_token(self, model, tokens, key, t=None, valid=None, loss_mask=None) -> jax.Array:
     """Each token's NELBO term [b, l]; `t` [b, L / block_size] overrides the
@@ -99,8 +107,8 @@ class BD3Objective(MDLMObjective):
       both = self._terms(model, jnp.concatenate([tokens, tokens]), xt, masked, times,
                          None if valid is None else jnp.concatenate([valid, valid]))
       return 0.5 * (both[:b] + both[b:])
-    xt, masked = _only(bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id), tokens, loss_mask,
-                       self.mask_id)
+    xt, masked = _only(bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id, self.position_slope),
+                       tokens, loss_mask, self.mask_id)
     return self._terms(model, tokens, xt, masked, t, valid)
 
   def _terms(self, model, tokens, xt, masked, t, valid):
@@ -108,12 +116,12 @@ class BD3Objective(MDLMObjective):
     l = tokens.shape[1]
     if not self.distill_weight:
       logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
-      return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
+      return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id, self.position_slope)
     if valid is not None or not model.cfg.clean_causal:
       raise ValueError("distillation trains an adapted AR model (model.clean_causal) on full rows")
     logits, teacher = bd3.adapted_block_logits(model, xt, tokens, self.block_size, with_teacher=True)
-    nelbo = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id)
-    weight = jnp.repeat(self.schedule.weight(t), self.block_size, axis=1, total_repeat_length=l)
+    nelbo = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id, self.position_slope)
+    weight = bd3.token_weights(t, l, self.schedule, self.position_slope)
     scored = masked & (jnp.arange(l) > 0)[None, :]  # nothing predicts token 0
     kl = jnp.where(scored, weight * bd3.soft_target_kl(logits, teacher, self.mask_id), 0.0)
     return (1.0 - self.distill_weight) * nelbo + self.distill_weight * kl
@@ -174,7 +182,8 @@ def from_config(config, mask_id: int, training: bool = False):
         schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id), antithetic=bool(d.antithetic),
         sampling_eps=lo, t_max=hi, block_size=block_size,
         distill_weight=float(d.distill_weight) if training else 0.0,
-        complementary=bool(d.complementary_masks) and training)
+        complementary=bool(d.complementary_masks) and training,
+        position_slope=float(d.position_mask_slope) if training else 0.0)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),

@@ -269,6 +269,36 @@ def test_complementary_views_score_every_token_once_and_match_numpy(kind):
   np.testing.assert_allclose(per, 0.5 * (terms[:B] + terms[B:]), rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_position_dependent_masking_matches_numpy(kind):
+  """position_slope s: token j of a block of n is masked at time c_j t, c_j = 1 + s (2 j / (n - 1) - 1),
+  with weight c_j w(c_j t) (0 once c_j t reaches 1): a float64 reference, and each position's mask rate
+  over many draws."""
+  rng = np.random.default_rng()
+  B, L, Lb, V, mask_id, slope = 3, 12, 4, 11, 0, float(rng.uniform(0.1, 0.6))
+  logits = rng.normal(size=(B, L, V)).astype(np.float32)
+  x0 = rng.integers(1, V, size=(B, L)).astype(np.int32)
+  t = rng.uniform(0.2, 0.9, size=(B, L // Lb)).astype(np.float32)
+  model = Recorder(logits)
+  obj = objectives.BD3Objective(Schedule(kind, EPS), mask_id, block_size=Lb, position_slope=slope)
+  per = np.asarray(obj.per_token(model, jnp.asarray(x0), jax.random.key(int(rng.integers(1 << 30))),
+                                 t=jnp.asarray(t)), np.float64)
+  (tokens, _, _, _), = model.calls
+  masked = tokens[:, :L] == mask_id
+  c = np.tile(1.0 + slope * (2.0 * np.arange(Lb) / (Lb - 1) - 1.0), L // Lb)
+  own = np.repeat(t.astype(np.float64), Lb, axis=1) * c
+  w = np.where(own < 1.0, c * np_weight(kind, np.minimum(own, 1.0)), 0.0)
+  nll = -np.take_along_axis(np_log_softmax_without(logits, mask_id), x0[..., None], -1)[..., 0]
+  np.testing.assert_allclose(per, np.where(masked, w * nll, 0.0), rtol=2e-4, atol=1e-6)
+  # Mask rates: 1 - alpha(min(c_j t, 1)) at each position, within 5 binomial standard errors.
+  K = 4000
+  draws = jax.vmap(lambda k: bd.block_forward_mask(k, jnp.asarray(x0), jnp.asarray(t), Schedule(kind, EPS),
+                                                   mask_id, slope)[1])(jax.random.split(jax.random.key(1), K))
+  rate = np.asarray(draws, np.float64).mean(0)
+  want = 1.0 - np_alpha(kind, np.minimum(own, 1.0))
+  assert np.all(np.abs(rate - want) < 5 * np.sqrt(want * (1 - want) / K) + 1e-3)
+
+
 def test_bd3_objective_is_unbiased():
   """Logits that ignore the input, of a quality that differs by block: the
   Monte Carlo mean must match sum_l E_t[-alpha'(t)] nll_l for every block
@@ -373,6 +403,24 @@ def test_complementary_masks_apply_to_block_diffusion_in_training_only(tiny_conf
   config_lib.validate(c)
   assert objectives.from_config(c, 3, training=True).complementary
   assert not objectives.from_config(c, 3).complementary  # the bound is the plain NELBO
+
+
+def test_position_dependent_masking_is_block_diffusion_training_only(tiny_config):
+  c = tiny_config
+  c.diffusion.position_mask_slope = 0.3
+  with pytest.raises(config_lib.ConfigError, match="diffusion.position_mask_slope"):
+    config_lib.validate(c)  # plain MDLM
+  c.diffusion.block_size = 16
+  config_lib.validate(c)
+  assert objectives.from_config(c, 3, training=True).position_slope == pytest.approx(0.3)
+  assert objectives.from_config(c, 3).position_slope == 0.0
+  c.diffusion.complementary_masks = True
+  with pytest.raises(config_lib.ConfigError, match="diffusion.position_mask_slope"):
+    config_lib.validate(c)
+  c.diffusion.complementary_masks = False
+  c.diffusion.position_mask_slope = 1.0
+  with pytest.raises(config_lib.ConfigError, match="diffusion.position_mask_slope"):
+    config_lib.validate(c)
 
 
 # ------------------------------------------------------------- config and training
