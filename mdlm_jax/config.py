@@ -94,6 +94,10 @@ def base_config() -> ml_collections.ConfigDict:
   # tokens are masked at times from (1 - slope) t to (1 + slope) t, left to right,
   # so its left is in view more often, as when a block decodes left to right.
   d.position_mask_slope = 0.0
+  # An adapted AR model trained whole (train.trainable="all"): weight of the AR
+  # loss on the clean stream (its next-token NLL on the scored tokens), which
+  # keeps the base's own predictions while its weights move. Not in the bound.
+  d.ar_weight = 0.0
 
   c.data = dt = ml_collections.ConfigDict()
   dt.corpus = "stdlib"  # "stdlib", a folder, a glob of text files, or a .jsonl file.
@@ -304,6 +308,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "applies to block diffusion (diffusion.block_size > 0)")
   _check(not (slope and d.complementary_masks), "diffusion.position_mask_slope",
          "complementary masks mirror a block's time; position-dependent masking gives each token its own")
+  _check(isinstance(d.ar_weight, (int, float)) and d.ar_weight >= 0, "diffusion.ar_weight",
+         f"must be >= 0, got {d.ar_weight!r}")
+  _check(not d.ar_weight or (m.clean_causal and c.train.trainable == "all"), "diffusion.ar_weight",
+         "the AR loss trains the base's own weights: it needs model.clean_causal=True and train.trainable='all'")
   lam = d.distill_weight
   _check(0.0 <= lam <= 1.0, "diffusion.distill_weight", f"must be in [0, 1], got {lam}")
   _check(not lam or m.clean_causal, "diffusion.distill_weight",

@@ -132,11 +132,12 @@ def complementary_views(key: jax.Array, x0: Int[Array, "b l"], t: Float[Array, "
 
 
 def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size: int,
-                 valid: Bool[Array, "b l"] | None = None) -> Float[Array, "b l v"]:
+                 valid: Bool[Array, "b l"] | None = None, clean_grad: bool = False) -> Float[Array, "b l v"]:
   """Logits of the x_t half of one forward pass over [x_t ; x_0]; no token
   attends to padding (`valid` False) in either half. A model with
   `clean_causal` reads its clean half token-causally, and its adapters
-  (model.lora_rank) act on the x_t half only."""
+  (model.lora_rank) act on the x_t half only (`clean_grad`: see
+  `adapted_block_logits`)."""
   b, l = xt.shape
   tokens = jnp.concatenate([xt, x0], axis=1)
   positions = jnp.broadcast_to(jnp.asarray(block_positions(l)), (b, 2 * l))
@@ -144,7 +145,7 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   # Structural, so a kernel builds it per tile; equal to `block_attention_mask`.
   kv_valid = None if valid is None else jnp.concatenate([valid, valid], axis=1)
   if model.cfg.clean_causal and valid is None:
-    return adapted_block_logits(model, xt, x0, block_size)
+    return adapted_block_logits(model, xt, x0, block_size, clean_grad=clean_grad)
   kind = "block_diffusion_causal" if model.cfg.clean_causal else "block_diffusion"
   mask = kernels.AttentionMask(kind=kind, block_size=block_size, kv_valid=kv_valid)
   noisy = jnp.broadcast_to(jnp.arange(2 * l) < l, (b, 2 * l)) if model.cfg.lora_rank else None
@@ -155,20 +156,23 @@ def block_logits(model, xt: Int[Array, "b l"], x0: Int[Array, "b l"], block_size
   return model.logits(shifted_noisy_states(hidden, block_size))
 
 
-def adapted_block_logits(model, xt, x0, block_size: int, with_teacher: bool = False):
+def adapted_block_logits(model, xt, x0, block_size: int, with_teacher: bool = False, clean_grad: bool = False):
   """`block_logits` of an adapted AR model (model.clean_causal) in two passes: the
   clean stream alone, causal and without adapters, under stop_gradient (so no
   backward runs through it), its keys and values kept as a KV cache; then the
   noisy stream over that cache, block b reading clean blocks < b and itself.
   The same numbers as the one [x_t ; x_0] pass, at about three quarters of its
-  training cost.
+  training cost. Without adapters-only training the base's weights learn too,
+  and the clean stream shapes the loss through its keys and values:
+  `clean_grad` keeps its gradient (the joint pass's gradients, tested).
 
   `with_teacher` also returns the clean stream's own next-token logits
   (state i - 1 scores token i; row 0 scores nothing and is a copy of row 1):
   p(x_i | x_<i) of the AR model the clean stream computes, which with frozen
   weights and adapters gated to the noisy stream is the base itself. They are
-  the soft targets of distillation, and come at the cost of one extra
-  vocabulary projection."""
+  the soft targets of distillation and the AR loss's predictions, and come at
+  the cost of one extra vocabulary projection (with a gradient only under
+  `clean_grad`)."""
   from mdlm_jax.model.kv_cache import KVCache
   b, l = xt.shape
   count_blocks(l, block_size)
@@ -177,8 +181,9 @@ def adapted_block_logits(model, xt, x0, block_size: int, with_teacher: bool = Fa
   valid, causal = cache.attention_spec(jnp.ones((b, l), jnp.bool_), causal=True)
   clean_states, written = model._trunk(x0, None, positions, causal=False, mask=causal, cache=cache,  # pylint: disable=protected-access
                                        noisy=False)
-  cache = jax.lax.stop_gradient(written.commit(cache.kept_valid(valid, l), l))
-  clean_states = jax.lax.stop_gradient(clean_states)
+  cache = written.commit(cache.kept_valid(valid, l), l)
+  if not clean_grad:
+    cache, clean_states = jax.lax.stop_gradient((cache, clean_states))
   blk = np.arange(l) // block_size
   reads = np.concatenate([blk[None, :] < blk[:, None], blk[None, :] == blk[:, None]], axis=1)  # [l, 2l]
   noisy = jnp.ones((b, l), jnp.bool_) if model.cfg.lora_rank else None
@@ -192,7 +197,7 @@ def adapted_block_logits(model, xt, x0, block_size: int, with_teacher: bool = Fa
   if not with_teacher:
     return logits
   teacher = model.logits(jnp.concatenate([clean_states[:, :1], clean_states[:, :-1]], axis=1))
-  return logits, jax.lax.stop_gradient(teacher)
+  return logits, teacher
 
 
 def shifted_noisy_states(hidden: Float[Array, "b l2 d"], block_size: int) -> Float[Array, "b l d"]:

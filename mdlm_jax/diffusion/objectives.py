@@ -79,6 +79,11 @@ class BD3Objective(MDLMObjective):
   # Position-dependent masking (`bd3.position_scales`): a block's tokens at times
   # (1 - slope) t to (1 + slope) t, left to right, each at its own NELBO weight.
   position_slope: float = dataclasses.field(default=0.0, kw_only=True)
+  # An adapted AR model whose base weights train too (train.trainable="all"): the
+  # clean stream keeps its gradient, and `ar_weight` adds its next-token loss
+  # (the AR objective on the clean stream) to every scored token's term.
+  frozen_base: bool = dataclasses.field(default=True, kw_only=True)
+  ar_weight: float = dataclasses.field(default=0.0, kw_only=True)
 
   def __post_init__(self):
     if self.block_size <= 0:
@@ -89,6 +94,9 @@ class BD3Objective(MDLMObjective):
       raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
     if not 0.0 <= self.position_slope < 1.0:
       raise ValueError(f"position_slope must be in [0, 1), got {self.position_slope}")
+    if self.ar_weight < 0 or (self.ar_weight and self.frozen_base):
+      raise ValueError(f"ar_weight must be >= 0 and trains the base's own weights (frozen_base=False), got"
+                       f" ar_weight={self.ar_weight}, frozen_base={self.frozen_base}")
     if self.position_slope and self.complementary:
       raise ValueError("complementary masks mirror a block's time; position-dependent masking gives each token"
                        " its own: use one of them")
@@ -104,27 +112,35 @@ class BD3Objective(MDLMObjective):
                                              sampling_eps=self.sampling_eps, t_max=self.t_max)
     if self.complementary:
       xt, masked, times = bd3.complementary_views(k_mask, tokens, t, self.schedule, self.mask_id, loss_mask)
-      both = self._terms(model, jnp.concatenate([tokens, tokens]), xt, masked, times,
-                         None if valid is None else jnp.concatenate([valid, valid]))
+      twice = lambda x: None if x is None else jnp.concatenate([x, x])  # noqa: E731
+      both = self._terms(model, twice(tokens), xt, masked, times, twice(valid), twice(loss_mask))
       return 0.5 * (both[:b] + both[b:])
     xt, masked = _only(bd3.block_forward_mask(k_mask, tokens, t, self.schedule, self.mask_id, self.position_slope),
                        tokens, loss_mask, self.mask_id)
-    return self._terms(model, tokens, xt, masked, t, valid)
+    return self._terms(model, tokens, xt, masked, t, valid, loss_mask)
 
-  def _terms(self, model, tokens, xt, masked, t, valid):
+  def _terms(self, model, tokens, xt, masked, t, valid, loss_mask=None):
     """Each token's term [b, l] given its row's noised view."""
     l = tokens.shape[1]
-    if not self.distill_weight:
-      logits = bd3.block_logits(model, xt, tokens, self.block_size, valid)
+    if not (self.distill_weight or self.ar_weight):
+      logits = bd3.block_logits(model, xt, tokens, self.block_size, valid, clean_grad=not self.frozen_base)
       return bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id, self.position_slope)
     if valid is not None or not model.cfg.clean_causal:
-      raise ValueError("distillation trains an adapted AR model (model.clean_causal) on full rows")
-    logits, teacher = bd3.adapted_block_logits(model, xt, tokens, self.block_size, with_teacher=True)
-    nelbo = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id, self.position_slope)
-    weight = bd3.token_weights(t, l, self.schedule, self.position_slope)
-    scored = masked & (jnp.arange(l) > 0)[None, :]  # nothing predicts token 0
-    kl = jnp.where(scored, weight * bd3.soft_target_kl(logits, teacher, self.mask_id), 0.0)
-    return (1.0 - self.distill_weight) * nelbo + self.distill_weight * kl
+      raise ValueError("distillation and the AR loss train an adapted AR model (model.clean_causal) on full rows")
+    logits, clean = bd3.adapted_block_logits(model, xt, tokens, self.block_size, with_teacher=True,
+                                             clean_grad=not self.frozen_base)
+    out = bd3.block_nelbo_per_token(logits, tokens, masked, t, self.schedule, self.mask_id, self.position_slope)
+    first = (jnp.arange(l) > 0)[None, :]  # nothing predicts token 0
+    if self.distill_weight:
+      weight = bd3.token_weights(t, l, self.schedule, self.position_slope)
+      kl = bd3.soft_target_kl(logits, jax.lax.stop_gradient(clean), self.mask_id)
+      out = (1.0 - self.distill_weight) * out + self.distill_weight * jnp.where(masked & first, weight * kl, 0.0)
+    if self.ar_weight:
+      scored = first if loss_mask is None else first & loss_mask
+      nll = jax.nn.logsumexp(clean.astype(jnp.float32), axis=-1) - jnp.take_along_axis(
+          clean.astype(jnp.float32), tokens[..., None], axis=-1)[..., 0]
+      out = out + self.ar_weight * jnp.where(scored, nll, 0.0)
+    return out
 
   def fixed_times(self, batch: int, length: int, u: float) -> jax.Array:
     return jnp.full((batch, bd3.count_blocks(length, self.block_size)), u, jnp.float32)
@@ -183,7 +199,9 @@ def from_config(config, mask_id: int, training: bool = False):
         sampling_eps=lo, t_max=hi, block_size=block_size,
         distill_weight=float(d.distill_weight) if training else 0.0,
         complementary=bool(d.complementary_masks) and training,
-        position_slope=float(d.position_mask_slope) if training else 0.0)
+        position_slope=float(d.position_mask_slope) if training else 0.0,
+        frozen_base=config.train.trainable == "adapters" or not training,
+        ar_weight=float(d.ar_weight) if training else 0.0)
   return MDLMObjective(
       schedule=diffusion.Schedule(d.schedule, d.eps), mask_id=int(mask_id),
       time_conditioning=bool(config.model.time_conditioning), antithetic=bool(d.antithetic),

@@ -177,3 +177,53 @@ def test_distillation_mixes_the_nelbo_with_the_kl_to_the_base():
                              rtol=2e-4, atol=2e-5)
   with pytest.raises(ValueError, match="distill_weight"):
     objectives.BD3Objective(schedule=schedule, mask_id=MASK, block_size=block, distill_weight=1.5)
+
+
+def test_the_ar_loss_adds_the_bases_next_token_nll_on_the_scored_tokens():
+  """ar_weight a: each scored token's term gains a * -log p_base(x_i | x_<i), against a float64 softmax
+  of the plain causal model's logits (the clean stream, which adapters never touch)."""
+  from mdlm_jax import diffusion
+  from mdlm_jax.diffusion import objectives
+  spec, params = random_params(A2D, seed=11)
+  model = bind(spec, params)
+  base = {k: v for k, v in params.items() if k != "blocks"}
+  base["blocks"] = {i: {part: {n: w for n, w in p.items() if not n.startswith("lora_")} for part, p in blk.items()}
+                    for i, blk in params["blocks"].items()}
+  rng = np.random.default_rng()
+  l, block, a = 12, 4, float(rng.uniform(0.2, 2.0))
+  x0 = jnp.asarray(rng.integers(0, MASK, (2, l)))
+  t = jnp.asarray(rng.uniform(0.2, 1.0, (2, l // block)), jnp.float32)
+  loss_mask = jnp.asarray(rng.random((2, l)) < 0.7)
+  key = jax.random.key(int(rng.integers(1 << 30)))
+  schedule = diffusion.Schedule("loglinear", 1e-3)
+  plain = objectives.BD3Objective(schedule=schedule, mask_id=MASK, block_size=block, frozen_base=False)
+  with_ar = dataclasses.replace(plain, ar_weight=a)
+  got = np.asarray(with_ar.per_token(model, x0, key, t, loss_mask=loss_mask), np.float64)
+  nelbo = np.asarray(plain.per_token(model, x0, key, t, loss_mask=loss_mask), np.float64)
+  z = np.asarray(bind(model_spec(BASE, None), base)(x0), np.float64)[:, :-1]  # row i - 1 predicts token i
+  z = z - z.max(-1, keepdims=True)
+  log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(log_p, np.asarray(x0)[:, 1:, None], -1)[..., 0]
+  want = np.zeros_like(nelbo)
+  want[:, 1:] = np.where(np.asarray(loss_mask)[:, 1:], a * nll, 0.0)
+  np.testing.assert_allclose(got - nelbo, want, rtol=2e-4, atol=2e-5)
+  with pytest.raises(ValueError, match="ar_weight"):
+    objectives.BD3Objective(schedule=schedule, mask_id=MASK, block_size=block, ar_weight=0.5)  # a frozen base
+
+
+@pytest.mark.slow  # compiles two gradients
+def test_with_the_base_training_the_two_pass_gradients_equal_the_joint_pass():
+  """clean_grad: every weight's gradient, the base's included, is the one [x_t ; x_0] pass's (the clean
+  stream's keys and values carry gradient into the shared weights)."""
+  spec, params = random_params(A2D, seed=9)
+  rng = np.random.default_rng(10)
+  x0 = jnp.asarray(rng.integers(0, MASK, (2, 12)))
+  xt = jnp.where(jnp.asarray(rng.random((2, 12)) < 0.5), MASK, x0)
+  _, _, joint = _two_pass_and_joint(9)
+  two = lambda p: bd3.block_logits(bind(spec, p), xt, x0, 4, clean_grad=True)  # noqa: E731
+  loss = lambda f: lambda p: jnp.sum(jax.nn.log_softmax(f(p))[..., 3])  # noqa: E731
+  g2, gj = jax.grad(loss(two))(params), jax.grad(loss(joint))(params)
+  frozen = jax.grad(loss(lambda p: bd3.block_logits(bind(spec, p), xt, x0, 4)))(params)
+  for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(gj)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5e-5 * np.abs(np.asarray(b)).max())
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(gj)))

@@ -423,6 +423,22 @@ def test_position_dependent_masking_is_block_diffusion_training_only(tiny_config
     config_lib.validate(c)
 
 
+def test_the_ar_loss_trains_a_whole_adapted_model_only(tiny_config):
+  c = tiny_config
+  c.diffusion.update(block_size=16, ar_weight=0.5)
+  with pytest.raises(config_lib.ConfigError, match="diffusion.ar_weight.*clean_causal"):
+    config_lib.validate(c)
+  c.model.update(shift_logits=True, clean_causal=True, lora_rank=4)
+  c.train.trainable = "adapters"
+  with pytest.raises(config_lib.ConfigError, match="diffusion.ar_weight"):
+    config_lib.validate(c)  # a frozen base learns nothing from it
+  c.train.trainable = "all"
+  config_lib.validate(c)
+  trained, scored = objectives.from_config(c, 3, training=True), objectives.from_config(c, 3)
+  assert (trained.ar_weight, trained.frozen_base) == (0.5, False)
+  assert (scored.ar_weight, scored.frozen_base) == (0.0, True)  # the bound is the NELBO
+
+
 # ------------------------------------------------------------- config and training
 
 
