@@ -787,9 +787,11 @@ class Engine:
       # `finish` holds back what a later block could still change (a split
       # character, the start of a stop string): the rest is sent once.
       if len(text) > len(h.emitted) and text.startswith(h.emitted):
-        covered = len(end.tokens) if done else _tokens_within(self.tok, end.tokens, len(text))
-        h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row]),
-                      logprobs=self._logprobs(h, gen[row], row, logprobs, covered)))
+        entries = None
+        if r.logprobs is not None:  # the tokens the text covers: only a request with logprobs needs them
+          covered = len(end.tokens) if done else _tokens_within(self.tok, end.tokens, len(text))
+          entries = self._logprobs(h, gen[row], row, logprobs, covered)
+        h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row]), logprobs=entries))
         h.emitted = text
       if done:
         if active[row]:
