@@ -88,7 +88,7 @@ def parse(argv):
                "max_context"):
     if getattr(a, name) is not None and getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-  from mdlm_jax.engine.engine import MIN_PREFILL_CHUNK
+  from mdlm_jax.engine.scheduling import MIN_PREFILL_CHUNK
   if a.prefill_chunk < 0 or 0 < a.prefill_chunk < MIN_PREFILL_CHUNK:
     p.error(f"--prefill-chunk must be 0 (off) or at least {MIN_PREFILL_CHUNK}, got {a.prefill_chunk}")
   if a.admit_wait_ms < 0:

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -36,6 +35,9 @@ from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import decoding_pair, next_token_view
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.engine.requests import ContextLengthExceeded, EngineClosed, Event, QueueFull, Request
+from mdlm_jax.engine.handle import Handle
+from mdlm_jax.engine.scheduling import (MIN_PREFILL_CHUNK, admit_groups, admit_sizes, pass_size, prompt_bucket,
+                                        ride_with_head)
 from mdlm_jax.engine.turns import Turn, decode as decode_turn, encode as encode_turn
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import FEW_ROWS
@@ -44,82 +46,6 @@ from mdlm_jax.sampling import presets, rule
 from mdlm_jax.sampling.finish import finish, tokens_for_text
 from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
 from mdlm_jax.sampling.samplers import RULES, ConfidenceSampler
-
-
-class Handle:
-  """A submitted request: its events, in order, and a way to cancel it."""
-
-  _ids = itertools.count()
-
-  def __init__(self, request: Request, want_drafts: bool):
-    self.id = next(self._ids)
-    self.request, self.want_drafts = request, want_drafts
-    self._events: collections.deque[Event] = collections.deque()
-    self._cond = threading.Condition()
-    self._listeners: list[Callable[[], None]] = []
-    self.cancelled = False
-    self.finished = False
-    self.submitted = time.perf_counter()
-    # Engine bookkeeping.
-    self.slot: int | None = None
-    self.emitted = ""
-    self.kept_seen = -1  # tokens kept in order (finished blocks' or verified) at the last publish
-    self.constraint: grammar_lib.Constraint | None = None
-    self.logprobs_sent = 0  # tokens whose log-probabilities went out
-    # Prefill progress: tokens of the request's fixed row sent to the device,
-    # of `fixed_len` (a chunked prefill sends one chunk a turn).
-    self.prefilled = 0
-    self.fixed_len = len(request.prompt_ids) + len(request.suffix_ids)
-    self.key: np.ndarray | None = None
-
-  @property
-  def prefilling(self) -> bool:
-    """Holds a slot whose prompt is not all encoded yet (no passes)."""
-    return self.slot is not None and self.prefilled < self.fixed_len
-
-  def add_listener(self, fn: Callable[[], None]) -> None:
-    """`fn()` is called (from the engine thread) whenever an event arrives."""
-    with self._cond:
-      self._listeners.append(fn)
-      pending = bool(self._events)
-    if pending:
-      fn()
-
-  def _push(self, ev: Event) -> None:
-    with self._cond:
-      self._events.append(ev)
-      if ev.kind == "done":
-        self.finished = True
-      self._cond.notify_all()
-      listeners = list(self._listeners)
-    for fn in listeners:
-      fn()
-
-  def poll(self) -> list[Event]:
-    with self._cond:
-      out = list(self._events)
-      self._events.clear()
-    return out
-
-  def events(self, timeout: float | None = None):
-    """Blocking iterator over events, ending after "done"."""
-    while True:
-      with self._cond:
-        if not self._events and not self._cond.wait_for(lambda: bool(self._events), timeout):
-          raise TimeoutError(f"request {self.id}: no event in {timeout}s")
-        ev = self._events.popleft()
-      yield ev
-      if ev.kind == "done":
-        return
-
-  def result(self, timeout: float | None = None) -> Event:
-    for ev in self.events(timeout):
-      if ev.kind == "done":
-        return ev
-    raise RuntimeError("unreachable")
-
-  def cancel(self) -> None:
-    self.cancelled = True
 
 
 class Engine:
@@ -736,15 +662,7 @@ class Engine:
     return with_head
 
   def _rows_for(self, n: int) -> int:
-    """The pass size for slots [0, n) busy: the mesh's batch shards times 1, 2,
-    3, 4, 6, 8, 12, 16, ... (powers of two and halfway between): few compiles,
-    and on a device where a pass costs its rows (a CPU), at most a quarter of
-    a pass past two rows spent on idle slots (six busy slots ran in passes of
-    eight with powers of two alone)."""
-    k = 1
-    while self._min_rows * k < n:
-      k = 2 if k == 1 else (k * 3 // 2 if k & (k - 1) == 0 else k // 3 * 4)
-    return min(self._min_rows * k, self.num_slots)
+    return pass_size(n, self._min_rows, self.num_slots)
 
   def _release(self, row: int, ev: Event) -> None:
     with self._lock:
@@ -790,7 +708,7 @@ class Engine:
         entries = None
         if r.logprobs is not None:  # the tokens the text covers: only a request with logprobs needs them
           covered = len(end.tokens) if done else _tokens_within(self.tok, end.tokens, len(text))
-          entries = self._logprobs(h, gen[row], row, logprobs, covered)
+          entries = h.logprob_entries(gen[row], row, logprobs, covered)
         h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row]), logprobs=entries))
         h.emitted = text
       if done:
@@ -798,22 +716,7 @@ class Engine:
           self._release_next.append(row)
         self._release(row, Event("done", h.emitted, end.reason, completion_tokens=len(end.tokens),
                                  passes=int(passes[row]),
-                                 logprobs=self._logprobs(h, gen[row], row, logprobs, len(end.tokens))))
-
-  def _logprobs(self, h: Handle, ids, row: int, arrays, upto: int):
-    """The entries of the request's tokens [sent so far, upto), if it asked:
-    `ids` its generation region, `arrays` the gathered log-probabilities."""
-    k = h.request.logprobs
-    if k is None or arrays is None:
-      return None
-    out = []
-    if upto > h.logprobs_sent:  # only this row crosses to the host, and only when it has new tokens
-      logp, top_ids, top_logp = (np.asarray(a[row]) for a in arrays)
-      for j in range(h.logprobs_sent, upto):
-        alts = [(int(i), float(v)) for i, v in zip(top_ids[j, :k], top_logp[j, :k]) if np.isfinite(v)]
-        out.append((int(ids[j]), float(logp[j]), alts))
-    h.logprobs_sent = max(h.logprobs_sent, upto)
-    return out
+                                 logprobs=h.logprob_entries(gen[row], row, logprobs, len(end.tokens))))
 
 
 def _request_key(seed: int) -> np.ndarray:
@@ -826,55 +729,6 @@ def _tokens_within(tok, ids, n_chars: int) -> int:
   (a token whose text a held-back tail splits waits for the next event)."""
   m = tokens_for_text(tok, ids, n_chars + 1)
   return m - 1 if len(tok.decode(list(ids[:m]))) > n_chars else m
-
-
-def ride_with_head(waiting: np.ndarray, waited: bool) -> tuple[bool, bool]:
-  """Whether the next pass carries the finished blocks, given which busy slots
-  have one `waiting` and whether one `waited` through the last pass: when at
-  least half wait, or one already waited. Otherwise the others refine in a
-  pass half as long, and the waiting ones catch up with the next. Returns
-  (with the blocks, whether one waits through this pass)."""
-  n = int(np.sum(waiting))
-  with_head = n > 0 and (2 * n >= len(waiting) or waited)
-  return with_head, n > 0 and not with_head
-
-
-def prompt_bucket(n: int, cap: int) -> int:
-  """Prompt lengths are padded to 16, 24, 32, 48, 64, 96, ... (powers of two
-  and halfway between): few compiles, and at most a third of a prefill is
-  padding (a 65-token prompt padded to 128 cost 9.8 ms a prefill, to 96 7.3)."""
-  b = 16
-  while b < n:
-    b = b * 3 // 2 if b & (b - 1) == 0 else b // 3 * 4
-  return min(b, cap)
-
-
-ADMIT_TOKENS = 512  # the most token rows one batched prefill holds
-MIN_PREFILL_CHUNK = 16  # the smallest prompt bucket
-
-
-def admit_sizes(bucket: int, admit_batch: int) -> list[int]:
-  """The prefill batch sizes compiled for a prompt bucket: powers of two up
-  to `admit_batch` and ADMIT_TOKENS // bucket (past a few hundred tokens a
-  prefill costs its tokens, and batching saves nothing)."""
-  cap = max(1, min(admit_batch, ADMIT_TOKENS // bucket))
-  return [1 << i for i in range(cap.bit_length())]
-
-
-def admit_groups(buckets: Sequence[int], admit_batch: int) -> list[tuple[int, list[int]]]:
-  """(bucket, indices) of the prefills for admits with these prompt buckets:
-  longest first, each batch padded to its longest member's bucket and taking
-  only prompts at least half as long (padding stays under a prompt's own
-  length), its size one of `admit_sizes`."""
-  order = sorted(range(len(buckets)), key=lambda i: -buckets[i])
-  groups = []
-  while order:
-    bucket = buckets[order[0]]
-    fits = sum(2 * buckets[i] >= bucket for i in order)
-    k = max(n for n in admit_sizes(bucket, admit_batch) if n <= fits)
-    groups.append((bucket, order[:k]))
-    order = order[k:]
-  return groups
 
 
 def _row_sharding(mesh, x: Any, num_slots: int):

@@ -12,7 +12,8 @@ from mdlm_jax.parallel import sharding
 from mdlm_jax import checkpoints
 from mdlm_jax.model.spec import model_spec
 from mdlm_jax.data.tokenizer import never_generated
-from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request, ride_with_head
+from mdlm_jax.engine.engine import MASK_TEXT, Engine, EngineClosed, QueueFull, Request
+from mdlm_jax.engine.scheduling import ride_with_head
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.generate import Generator
 from mdlm_jax.sampling.samplers import LowConfidenceSampler, ThresholdSampler
@@ -350,7 +351,7 @@ def test_passes_run_over_few_idle_slots(loaded):
 
 
 def test_prompt_buckets_pad_at_most_a_third():
-  from mdlm_jax.engine.engine import prompt_bucket
+  from mdlm_jax.engine.scheduling import prompt_bucket
   sizes = sorted({16 << k for k in range(8)} | {24 << k for k in range(8)})
   for n in range(1, 2000):
     want = min(s for s in sizes if s >= n)
@@ -547,7 +548,7 @@ def test_an_idle_engine_waits_for_announced_requests_and_admits_them_together(lo
 
 @pytest.mark.parametrize("seed", range(3))
 def test_admit_groups_cover_every_request_once_with_bounded_padding(seed):
-  from mdlm_jax.engine.engine import ADMIT_TOKENS, prompt_bucket, admit_groups, admit_sizes
+  from mdlm_jax.engine.scheduling import ADMIT_TOKENS, admit_groups, admit_sizes, prompt_bucket
   rng = np.random.default_rng(seed)
   buckets = [prompt_bucket(int(n), 512) for n in rng.integers(1, 513, size=int(rng.integers(1, 17)))]
   groups = admit_groups(buckets, 8)
