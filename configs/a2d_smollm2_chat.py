@@ -17,6 +17,15 @@ none by itself, so they are taken as mined, in the template's format).
   python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat \\
       --config.train.init_from=runs/a2d_smollm2_b4
 
+A second round adds the base's answers to 600 mined PyPI-code requests (407
+kept, 104K tokens) and continues from the first round's adapters:
+
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --batch-size=32 --kinds=writes --limit=600 \\
+      --instructions=data/pycode_small_instructions/train.jsonl --out=data/a2d_chat/pycode_writes.jsonl
+  cat data/a2d_chat/pycode_writes.jsonl >> data/a2d_chat/train.jsonl
+  python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat2 \\
+      --config.train.init_from=runs/a2d_smollm2_chat --config.data.shuffle_seed=1
+
 Each answer is the base's own greedy text, so the base is sure of each of its
 tokens: the adapters can learn to be sure of several at once, which is what
 tokens per pass need, and the distillation term pulls every masked token to
