@@ -133,99 +133,121 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None, lim
 
   @app.post("/v1/chat/completions")
   async def chat(request: Request):
-    body = await _endpoint_body(state, request, "chat")
-    messages = parse_messages(body)
-    s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
-    guide = parse_guidance(body)
-    try:
-      tools = tools_lib.parse(body)
-      tools_lib.check_history(messages)
-    except tools_lib.ToolError as e:
-      raise APIError(400, str(e), param=e.param, code="invalid_value") from e
-    calling = tools is not None and tools.choice != "none"
-    s.logprobs = _logprobs_for(body, "chat", s, calls=calling)
-    if calling and guide is not None:
-      field = guidance_given(body)[0]
-      raise APIError(400, f"{field}: cannot be combined with tool calls (tool_choice {tools.choice!r})",
-                     param=field, code="invalid_value")
-    try:
-      prompt, stops, add_bos = chat_template.render(messages, state.engine.loaded.chat_template, state.tok,
-                                                    tools=list(tools.specs) if tools else None)
-    except ValueError as e:  # the template refused the conversation (raise_exception)
-      raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
-    if tools is not None and not calling:
-      stops += (tools_lib.OPEN,)  # tool_choice none: the answer ends before any call
-    s.stop = tuple(dict.fromkeys(s.stop + stops))
-    return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s,
-                           grammar=tools_lib.grammar(tools) if calling else guide,
-                           end_ids=_single_tokens(state, stops), calls=calling)
+    return await _chat(state, request)
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    body = await _endpoint_body(state, request, "completions")
-    s = parse_sampling(body, state.limits, default_max_tokens=16)
-    guide = parse_guidance(body)
-    suffix = parse_suffix(body) or ""
-    echo = parse_echo(body)
-    if echo and suffix:
-      raise APIError(400, "echo: cannot be combined with suffix", param="echo", code="invalid_value")
-    s.logprobs = _logprobs_for(body, "completions", s, echo=echo)
-    prompts = []
-    for i, p in enumerate(parse_prompts(body, state.tok.vocab_size, state.limits, s.n)):
-      ids = state.engine.encode(p) if isinstance(p, str) else list(p)
-      if state.tok.mask_id in ids and not isinstance(p, str):
-        raise APIError(400, f"prompt[{i}]: token id {state.tok.mask_id} is the mask token, which only the decoder"
-                       " writes", param=f"prompt[{i}]", code="invalid_value")
-      prompts.append(Prompt(ids, (p if isinstance(p, str) else state.tok.decode(ids)) if echo else ""))
-    return await _generate(state, request, "completions", prompts, s, suffix=suffix, grammar=guide)
+    return await _completions(state, request)
 
   @app.post("/v1/fim/completions")
   async def fim(request: Request):
-    body = await _endpoint_body(state, request, "fim")
-    s = parse_sampling(body, state.limits, default_max_tokens=64)
-    prompt, suffix = parse_prompt(body), parse_suffix(body) or ""
-    return await _generate(state, request, "fim", [Prompt(state.engine.encode(prompt))], s, suffix=suffix)
+    return await _fim(state, request)
 
   @app.post("/v1/apply/completions")
   async def apply(request: Request):
-    """Mercury Edit's apply endpoint: the merged file as the answer."""
-    body = await _endpoint_body(state, request, "apply")
-    messages = parse_messages(body)
-    if len(messages) != 1 or messages[0]["role"] != "user":
-      raise APIError(400, "messages: one user message holding the original code and the update snippet",
-                     param="messages", code="invalid_value")
-    cap, _ = parse_output_cap(body)
-    # The file is merged, not decoded: the sampling fields steer the placements the model decides.
-    s = parse_sampling({k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")},
-                       state.limits, default_max_tokens=1)
-    try:
-      original, snippet = apply_edit.parse(messages[0]["content"])
-    except apply_edit.EditError as e:
-      raise APIError(400, f"messages[0].content: {e}", param="messages[0].content", code="invalid_value") from e
-    t0 = time.perf_counter()
-    decided = []
-
-    def decide(before: str, candidates: list[str], after: str) -> int:
-      decided.append(_place(state, s, before, candidates, after))
-      return decided[-1]
-
-    merged = await asyncio.to_thread(apply_edit.merge, original, snippet, decide)
-    answer, finish = _cut_answer(state, merged, s.stop, cap)
-    prompt_tokens, completion = len(state.tok.encode(messages[0]["content"])), len(state.tok.encode(answer))
-    state.metrics.tokens(prompt_tokens, completion)
-    state.metrics.latency(time.perf_counter() - t0)
-    state.metrics.request("apply", 200)
-    rid, created, usage = "chatcmpl-" + secrets.token_hex(12), int(time.time()), _usage(prompt_tokens, completion)
-    if s.stream:
-      return StreamingResponse(_apply_stream(state, rid, created, answer, finish, usage if s.include_usage else None,
-                                             len(decided)),
-                               media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_id,
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
-                                      "logprobs": None, "finish_reason": finish}],
-                         "usage": usage, "model_decisions": len(decided)})
+    return await _apply(state, request)
 
   return app
+
+
+# -- the generation endpoints ------------------------------------------------------
+
+
+async def _chat(state: ServerState, request: Request):
+  """OpenAI's chat completions: the conversation through the chat template, tools and structured outputs."""
+  body = await _endpoint_body(state, request, "chat")
+  messages = parse_messages(body)
+  s = parse_sampling(body, state.limits, default_max_tokens=state.limits.max_tokens)
+  guide = parse_guidance(body)
+  try:
+    tools = tools_lib.parse(body)
+    tools_lib.check_history(messages)
+  except tools_lib.ToolError as e:
+    raise APIError(400, str(e), param=e.param, code="invalid_value") from e
+  calling = tools is not None and tools.choice != "none"
+  s.logprobs = _logprobs_for(body, "chat", s, calls=calling)
+  if calling and guide is not None:
+    field = guidance_given(body)[0]
+    raise APIError(400, f"{field}: cannot be combined with tool calls (tool_choice {tools.choice!r})",
+                   param=field, code="invalid_value")
+  try:
+    prompt, stops, add_bos = chat_template.render(messages, state.engine.loaded.chat_template, state.tok,
+                                                  tools=list(tools.specs) if tools else None)
+  except ValueError as e:  # the template refused the conversation (raise_exception)
+    raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
+  if tools is not None and not calling:
+    stops += (tools_lib.OPEN,)  # tool_choice none: the answer ends before any call
+  s.stop = tuple(dict.fromkeys(s.stop + stops))
+  return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s,
+                         grammar=tools_lib.grammar(tools) if calling else guide,
+                         end_ids=_single_tokens(state, stops), calls=calling)
+
+
+async def _completions(state: ServerState, request: Request):
+  """OpenAI's completions: lists of prompts, token-id prompts, echo, and a suffix to infill against."""
+  body = await _endpoint_body(state, request, "completions")
+  s = parse_sampling(body, state.limits, default_max_tokens=16)
+  guide = parse_guidance(body)
+  suffix = parse_suffix(body) or ""
+  echo = parse_echo(body)
+  if echo and suffix:
+    raise APIError(400, "echo: cannot be combined with suffix", param="echo", code="invalid_value")
+  s.logprobs = _logprobs_for(body, "completions", s, echo=echo)
+  prompts = []
+  for i, p in enumerate(parse_prompts(body, state.tok.vocab_size, state.limits, s.n)):
+    ids = state.engine.encode(p) if isinstance(p, str) else list(p)
+    if state.tok.mask_id in ids and not isinstance(p, str):
+      raise APIError(400, f"prompt[{i}]: token id {state.tok.mask_id} is the mask token, which only the decoder"
+                     " writes", param=f"prompt[{i}]", code="invalid_value")
+    prompts.append(Prompt(ids, (p if isinstance(p, str) else state.tok.decode(ids)) if echo else ""))
+  return await _generate(state, request, "completions", prompts, s, suffix=suffix, grammar=guide)
+
+
+async def _fim(state: ServerState, request: Request):
+  """Fill-in-the-middle: the prompt before and the suffix after the middle."""
+  body = await _endpoint_body(state, request, "fim")
+  s = parse_sampling(body, state.limits, default_max_tokens=64)
+  prompt, suffix = parse_prompt(body), parse_suffix(body) or ""
+  return await _generate(state, request, "fim", [Prompt(state.engine.encode(prompt))], s, suffix=suffix)
+
+
+async def _apply(state: ServerState, request: Request):
+  """Mercury Edit's apply endpoint: the merged file as the answer."""
+  body = await _endpoint_body(state, request, "apply")
+  messages = parse_messages(body)
+  if len(messages) != 1 or messages[0]["role"] != "user":
+    raise APIError(400, "messages: one user message holding the original code and the update snippet",
+                   param="messages", code="invalid_value")
+  cap, _ = parse_output_cap(body)
+  # The file is merged, not decoded: the sampling fields steer the placements the model decides.
+  s = parse_sampling({k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")},
+                     state.limits, default_max_tokens=1)
+  try:
+    original, snippet = apply_edit.parse(messages[0]["content"])
+  except apply_edit.EditError as e:
+    raise APIError(400, f"messages[0].content: {e}", param="messages[0].content", code="invalid_value") from e
+  t0 = time.perf_counter()
+  decided = []
+
+  def decide(before: str, candidates: list[str], after: str) -> int:
+    decided.append(_place(state, s, before, candidates, after))
+    return decided[-1]
+
+  merged = await asyncio.to_thread(apply_edit.merge, original, snippet, decide)
+  answer, finish = _cut_answer(state, merged, s.stop, cap)
+  prompt_tokens, completion = len(state.tok.encode(messages[0]["content"])), len(state.tok.encode(answer))
+  state.metrics.tokens(prompt_tokens, completion)
+  state.metrics.latency(time.perf_counter() - t0)
+  state.metrics.request("apply", 200)
+  rid, created, usage = "chatcmpl-" + secrets.token_hex(12), int(time.time()), _usage(prompt_tokens, completion)
+  if s.stream:
+    return StreamingResponse(_apply_stream(state, rid, created, answer, finish, usage if s.include_usage else None,
+                                           len(decided)),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+  return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_id,
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                                    "logprobs": None, "finish_reason": finish}],
+                       "usage": usage, "model_decisions": len(decided)})
 
 
 # -- helpers ----------------------------------------------------------------------
