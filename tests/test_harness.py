@@ -173,6 +173,7 @@ metric_list:
   return tmp_path
 
 
+@pytest.mark.slow  # lm-eval's whole run over local tasks (about 30 s on 2 cores)
 def test_simple_evaluate_runs_local_tasks_end_to_end(mdlm_lm, tmp_path):
   import lm_eval
   from lm_eval.tasks import TaskManager

@@ -5,6 +5,7 @@ import ast
 import jax
 import ml_collections
 import numpy as np
+import pytest
 
 from mdlm_jax.parallel import sharding
 from mdlm_jax.bench import sample as bench_sample
@@ -184,6 +185,7 @@ def test_progress_reports_about_every_tenth_and_the_end(capsys):
   assert lines[0].startswith("items: 9/95, ") and lines[-1].startswith("items: 95/95, ") and "ETA 0s" in lines[-1]
 
 
+@pytest.mark.slow  # a benchmark shape end to end
 def test_the_memory_bound_shape_runs_end_to_end():
   """bench sample's memory-bound comparison on a tiny shape: both decoders run and every
   diffusion setting commits its 4 tokens a pass (the 100M shape crashed on its configless model)."""

@@ -240,10 +240,11 @@ def test_complementary_views_score_every_token_once_and_match_numpy(kind):
   first leaves in view, at the t' with alpha(t') = 1 - alpha(t) (the inverse in float64 below); the term
   is the mean of the views' NELBO terms."""
   rng = np.random.default_rng()
-  B, L, Lb, V, mask_id = 3, 12, 3, 11, 0
+  B, L, Lb, V, mask_id = 3, 24, 3, 11, 0
   logits = rng.normal(size=(2 * B, L, V)).astype(np.float32)
   x0 = rng.integers(1, V, size=(B, L)).astype(np.int32)
-  t = rng.uniform(0.2, 0.8, size=(B, L // Lb)).astype(np.float32)
+  # Times where alpha(t) is in [0.25, 0.75], so that both views mask some of the ~50 scorable tokens.
+  t = np.asarray(Schedule(kind, EPS).time_of(rng.uniform(0.25, 0.75, size=(B, L // Lb))), np.float32)
   loss_mask = rng.random((B, L)) < 0.7
   model = Recorder(logits)
   obj = objectives.BD3Objective(Schedule(kind, EPS), mask_id, block_size=Lb, complementary=True)

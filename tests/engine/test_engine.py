@@ -641,6 +641,7 @@ def test_logit_moves_match_the_generator_row_by_row(loaded, engine):
     engine.submit(_request(loaded, "x", max_tokens=8, logit_bias=((loaded.spec.cfg.vocab_size, 1.0),)))
 
 
+@pytest.mark.slow  # an engine of its own (about 20 s)
 def test_a_reused_slot_hides_the_last_requests_keys(loaded):
   """Admission writes only the prompt's slots of a cache row: what a longer
   earlier request left past them must stay unread, and its own slots hold its keys."""

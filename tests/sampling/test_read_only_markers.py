@@ -78,6 +78,7 @@ def test_the_rigged_model_wants_the_read_only_ids(rigged):
   assert set(np.asarray(jnp.argmax(logits, -1)).ravel().tolist()) <= {tok.unk_id, tok.pad_id}
 
 
+@pytest.mark.slow  # every decoding path compiles (about 15 s)
 def test_no_path_writes_a_read_only_id(rigged):
   loaded = rigged["mdlm"]
   tok = loaded.tokenizer

@@ -126,6 +126,7 @@ def test_resume_reads_a_model_field_the_checkpoint_predates_as_its_default(tiny_
     trainer.check_same_model(saved, tiny_config)
 
 
+@pytest.mark.slow  # a training run from AR weights (about 15 s)
 def test_init_from_starts_a_diffusion_run_from_ar_weights(tiny_checkpoints, tmp_path):
   """train.init_from: the AR twin's weights (EMA) become step 0 of an MDLM run,
   with its tokenizer; a different network shape is refused by parameter name."""
@@ -181,6 +182,7 @@ def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp
   assert again["step"] == 6
 
 
+@pytest.mark.slow  # a chat training run (about 20 s)
 def test_instruction_tuning_mixes_infill_records_at_fim_rate(tiny_config, tmp_path):
   """Infill records in the folder: data.fim_rate of the rows are their PSM
   prompts with the middle scored; the tuned checkpoint infills in that format."""
@@ -205,6 +207,7 @@ def test_instruction_tuning_mixes_infill_records_at_fim_rate(tiny_config, tmp_pa
     trainer.train(tiny_config, str(tmp_path / "run2"))
 
 
+@pytest.mark.slow  # a training run at a longer context
 def test_extend_context_fine_tunes_a_trained_model_at_a_longer_context(tiny_checkpoints, tmp_path):
   """configs/extend_context.py:tiny,2,yarn starts from the trained weights at
   twice the context with YaRN scaling; the result loads with that scaling."""
@@ -228,6 +231,7 @@ def test_extend_context_fine_tunes_a_trained_model_at_a_longer_context(tiny_chec
     module.get_config("tiny,0")
 
 
+@pytest.mark.slow  # two training runs and an export (about 25 s)
 def test_adapters_train_alone_over_a_frozen_base_and_ship_alone(tiny_checkpoints, tmp_path):
   """An AR model adapted with train.trainable=adapters: every base weight stays the AR
   model's bit for bit, the adapters move, and an adapters-only export (the adapters and
