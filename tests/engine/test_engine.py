@@ -144,6 +144,7 @@ def test_passes_pick_the_weight_layout_by_size(loaded):
   assert one.weight_layout_for(8) == one.weight_layout_for(128) == "in_out" and one.weight_layouts == ["in_out"]
 
 
+@pytest.mark.slow  # compiles and reads a pass's HLO (about 14 s)
 def test_passes_do_not_copy_the_cache(loaded):
   """A pass (over the first slots, or all) must update the slot state in
   place: a copy of the whole per-row cache costs more than the pass itself."""
@@ -657,6 +658,7 @@ def test_a_reused_slot_hides_the_last_requests_keys(loaded):
     e.close(deadline_s=1)
 
 
+@pytest.mark.slow  # an AR engine of its own (about 19 s)
 def test_an_autoregressive_checkpoint_decodes_as_its_ar_sampler(tiny_checkpoints):
   """An AR checkpoint in the engine (blocks of one token, its head read shifted) writes
   exactly the KV-cached AR sampler's greedy tokens, requests sharing passes."""
