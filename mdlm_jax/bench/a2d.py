@@ -18,7 +18,8 @@ the same prompts, on this machine, at batch 1:
   sure a draft may be to be offered; `--png` plots both curves;
 - each setting's mean pass time beside the memory-bandwidth bound of the
   bytes it reads (`bench.bound`: weights and KV cache over a bandwidth
-  measured in the same run), and the fraction of that bound it reaches.
+  measured in the same run: a large array read once), and the fraction of
+  that bound it reaches.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def pass_bounds(rows: dict, adapted, base, tasks) -> dict:
   the prompt and, on average, half the answer."""
   from mdlm_jax.bench import bound
   from mdlm_jax.server import chat_template
-  bandwidth = bound.copy_bandwidth()
+  bandwidth = bound.read_bandwidth()
   prompts = [chat_template.render([{"role": "user", "content": t.request}], adapted.chat_template,
                                   adapted.tokenizer)[0] for t in tasks]
   prompt_tokens = float(np.mean([len(adapted.tokenizer.encode(p)) for p in prompts]))

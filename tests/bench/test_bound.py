@@ -34,6 +34,6 @@ def test_a_pass_reads_every_weight_but_an_untied_embedding_and_its_cache(tie):
   assert row["fraction_of_bound"] == pytest.approx(row["bound_s"] / 0.5)
 
 
-def test_copy_bandwidth_is_a_memory_speed():
-  bw = bound.copy_bandwidth(mib=64, repeats=2)
+def test_read_bandwidth_is_a_memory_speed():
+  bw = bound.read_bandwidth(mib=64, repeats=2)
   assert 1e8 < bw < 1e13  # between a slow disk and any memory there is
