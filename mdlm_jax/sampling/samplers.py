@@ -19,6 +19,7 @@ The two confidence samplers decode semi-autoregressively when `block_size`
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Callable
 
@@ -74,7 +75,7 @@ def _eos_in(tokens, lo, hi, eos_id, length):
 
 
 @dataclasses.dataclass(frozen=True)
-class ConfidenceSampler:
+class ConfidenceSampler(abc.ABC):
   """What a refinement rule is to every decoder: its settings as one row of
   `rule.Decoding` (`decoding`), applied by `rule.propose` and `rule.picks`
   in the one-shot loops below and, row by row, in the engine's slots. A rule
@@ -110,8 +111,9 @@ class ConfidenceSampler:
     """The settings again, logit_bias's ids now checked against the model's vocabulary."""
     rule.check(**self._rule_fields(), vocab_size=vocab_size)
 
+  @abc.abstractmethod
   def _rule_fields(self) -> dict:
-    raise NotImplementedError
+    """The rule's settings as `rule.check` and `rule.Decoding.broadcast` take them."""
 
   def _order_fields(self) -> dict:
     """in_order and revise where the rule has them (`rule.Decoding`)."""
