@@ -21,6 +21,9 @@ Attention also takes "reference": the materialised [L, S] reference at
 every length (comparisons; its memory grows with the square of the length).
 The confidence head also takes "triton": the jax-triton kernel on a CUDA
 backend (the `gpu` extra), the reference elsewhere.
+
+Weight-only int8 decoding weights (`QuantizedWeight`, `int8_matmul`) multiply
+in a C++ kernel on CPU through the XLA FFI (`int8.py`), XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from mdlm_jax.kernels.chunked_attention import chunked_attention, chunked_cache_
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
+from mdlm_jax.kernels.int8 import QuantizedWeight, int8_matmul, native_kernel_ready, quantize
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, resolve
 from mdlm_jax.kernels.sequence_parallel import sequence_parallel_attention, sequence_shards
 from mdlm_jax.kernels.numerics import LOGITS_DTYPE
@@ -98,17 +102,20 @@ class HeadInput:
   this instead of logits when a sampler asks for the fused head."""
 
   hidden: Float[Array, "b t d"]
-  w: Float[Array, "d v"] | Float[Array, "v d"]  # [v, d] with out_in
+  w: Float[Array, "d v"] | Float[Array, "v d"] | QuantizedWeight  # [v, d] with out_in (int8: always)
   implementation: str = struct.field(pytree_node=False, default="xla")
   out_in: bool = struct.field(pytree_node=False, default=False)
 
   @property
   def w_dv(self) -> Float[Array, "d v"]:
     """The output embedding as [d, v], the kernels' operand."""
-    return self.w.T if self.out_in else self.w
+    w = self.w.dequantize() if isinstance(self.w, QuantizedWeight) else self.w
+    return w.T if self.out_in else w
 
   def logits(self) -> Float[Array, "b t v"]:
     b, t, d = self.hidden.shape
+    if isinstance(self.w, QuantizedWeight):  # int8 decoding weights, [v, d]
+      return int8_matmul(self.hidden.reshape(b * t, d), self.w).astype(LOGITS_DTYPE).reshape(b, t, -1)
     h2, w = self.hidden.reshape(b * t, d), self.w.astype(self.hidden.dtype)
     matmul = out_in_matmul if self.out_in else jax.numpy.matmul
     return matmul(h2, w, preferred_element_type=LOGITS_DTYPE).reshape(b, t, -1)
@@ -230,4 +237,5 @@ __all__ = ["attention", "cache_attention", "attention_reference", "chunked_atten
            "CHUNKED_FROM", "CHUNKED_CACHE_FROM",
            "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
-           "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes"]
+           "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes",
+           "QuantizedWeight", "int8_matmul", "native_kernel_ready", "quantize"]

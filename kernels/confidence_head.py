@@ -73,15 +73,17 @@ def confidence_head_reference(
   return token, prob, jnp.exp(jnp.max(logp, axis=-1))
 
 
-def _tile_update(state, logits, y, col):
-  """Folds one vocabulary tile into (max, sum, best score, best index, best logit)."""
+def _tile_update(state, logits, y, col, start):
+  """Folds one vocabulary tile (its first column `start`) into (max, sum, best
+  score, best index, best logit). `start` comes as a scalar: slicing `col`
+  has no Pallas Triton lowering."""
   m, s, best, idx, best_logit = state
   m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
   s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new), axis=1, keepdims=True)
   tile_best = jnp.max(y, axis=1, keepdims=True)
   # The first maximum's column by argmax, not by comparing y with its max: a
   # compiler may compute y once for each reduction and round them apart.
-  tile_idx = col[:, :1] + jnp.argmax(y, axis=1, keepdims=True).astype(jnp.int32)
+  tile_idx = start + jnp.argmax(y, axis=1, keepdims=True).astype(jnp.int32)
   tile_logit = jnp.sum(jnp.where(col == tile_idx, logits, 0.0), axis=1, keepdims=True)
   better = tile_best > best  # strict: ties keep the lower index, as argmax does
   return (m_new, s, jnp.where(better, tile_best, best), jnp.where(better, tile_idx, idx),
@@ -124,7 +126,7 @@ def _head_loop_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sa
     cols = pl.ds(j * bv, bv)
     col = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
     logits, y = _tile_scores(h, w_ref[:, cols], None if bits_ref is None else bits_ref[:, cols], col, v, st)
-    return _tile_update(state, logits, y, col)
+    return _tile_update(state, logits, y, col, j * bv)
 
   _write(lax.fori_loop(0, w_ref.shape[1] // bv, body, _init(bn)), tok_ref, prob_ref, maxp_ref)
 
@@ -142,12 +144,17 @@ def _head_grid_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sa
 
   col = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
   logits, y = _tile_scores(h_ref[...], w_ref[...], None if bits_ref is None else bits_ref[...], col, v, st)
-  for ref, x in zip(scratch, _tile_update(tuple(r[...] for r in scratch), logits, y, col)):
+  for ref, x in zip(scratch, _tile_update(tuple(r[...] for r in scratch), logits, y, col, j * bv)):
     ref[...] = x
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
     _write(tuple(r[...] for r in scratch), tok_ref, prob_ref, maxp_ref)
+
+
+def _triton_params():
+  from jax.experimental.pallas import triton as plgpu
+  return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _pad(x, axis, n):
@@ -189,7 +196,7 @@ def confidence_head_pallas(
     in_specs += [pl.BlockSpec((bn, vp), lambda i: (i, 0))] if sample else []
     call = pl.pallas_call(functools.partial(_head_loop_kernel, **kw), grid=(np_ // bn,), in_specs=in_specs,
                           out_specs=[pl.BlockSpec((bn, 1), lambda i: (i, 0))] * 3, out_shape=out_shape,
-                          interpret=interpret)
+                          interpret=interpret, compiler_params=None if interpret else _triton_params())
   else:
     from jax.experimental.pallas import tpu as pltpu
     in_specs = [pl.BlockSpec((bn, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j))]

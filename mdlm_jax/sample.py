@@ -19,6 +19,7 @@ from mdlm_jax import cli
 def parse(argv):
   from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
   from mdlm_jax.sampling.samplers import SAMPLERS
+  from mdlm_jax.model.transformer import DECODE_DTYPES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.sample", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir or checkpoint folder (default: the packaged model)")
   p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
@@ -54,6 +55,9 @@ def parse(argv):
   p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                  help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans it)")
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+  p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
+                 help="int8: decode from weight-only int8 weights (a scale per output row; a quarter of the bytes"
+                      " a pass reads), converted once at load")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
   p.add_argument("--no-bos", action="store_true", help="do not start the prompt with BOS")
@@ -120,7 +124,7 @@ def main(argv=None):
     from mdlm_jax.sampling.generate import generator_for
     from mdlm_jax.sampling import presets
     loaded = checkpoints.load(a.checkpoint or packaged.path())
-    gen = generator_for(loaded)
+    gen = generator_for(loaded, decode_dtype=a.decode_dtype)
     if loaded.spec.cfg.causal:
       diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths, a.revise)
       if a.show_steps or a.kv_cache is not None or any(v is not None for v in diffusion_only):

@@ -24,6 +24,7 @@ import threading
 
 def parse(argv):
   from mdlm_jax.model.layers import WEIGHT_LAYOUTS
+  from mdlm_jax.model.transformer import DECODE_DTYPES
   from mdlm_jax.sampling.grammar import ACCEPT_POLICIES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.serve", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir, checkpoint or params-only folder (default: packaged)")
@@ -52,6 +53,9 @@ def parse(argv):
   p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
                  help="serve from the weights in this layout only (default on CPU: out_in for passes over a few"
                       " slots, in_out for larger ones and prefills, each the faster there; as loaded elsewhere)")
+  p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
+                 help="int8: passes over a few slots read weight-only int8 weights (a scale per output row; a"
+                      " quarter of the bytes), converted once at start")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   p.add_argument("--grammar-policy", choices=ACCEPT_POLICIES, default=ACCEPT_POLICIES[0],
                  help="structured outputs: of the grammatical prefix of a pass's proposals, commit up to the effort"
@@ -135,7 +139,7 @@ def build(a):
     slots = slots_for_memory(loaded.spec.cfg, a.kv_cache_memory, a.max_context or a.max_prompt_tokens + max_tokens,
                              bs, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
   engine = Engine(loaded, num_slots=slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
-                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, grammar_policy=a.grammar_policy,
+                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, decode_dtype=a.decode_dtype, grammar_policy=a.grammar_policy,
                   admit_batch=a.admit_batch, max_context=a.max_context, admit_wait_s=a.admit_wait_ms / 1000,
                   prefill_chunk=a.prefill_chunk)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,

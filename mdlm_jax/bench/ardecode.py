@@ -32,12 +32,18 @@ def parse(argv):
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--repeats", type=int, default=2, help="timed runs per setting after a warm-up (best kept)")
   p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for torch and llama.cpp")
+  p.add_argument("--decode-dtypes", default="float32,int8",
+                 help="weights our AR sampler decodes from: float32 and/or int8 (weight-only, a scale per row)")
   p.add_argument("--skip", default="", help="comma-separated runtimes to leave out: transformers, llama.cpp")
   common.add_output_flags(p)
   a = p.parse_args(argv)
   a.batch_sizes = common.positive_ints(p, "--batch-sizes", a.batch_sizes)
   if a.new_tokens < 1 or a.repeats < 1:
     p.error("--new-tokens and --repeats must be positive")
+  a.decode_dtypes = [d for d in a.decode_dtypes.split(",") if d]
+  from mdlm_jax.model.transformer import DECODE_DTYPES
+  if not a.decode_dtypes or set(a.decode_dtypes) - set(DECODE_DTYPES):
+    p.error(f"--decode-dtypes takes {', '.join(DECODE_DTYPES)}, got {a.decode_dtypes}")
   a.skip = {s for s in a.skip.split(",") if s}
   if a.skip - {"transformers", "llama.cpp"}:
     p.error(f"--skip takes transformers and llama.cpp, got {sorted(a.skip)}")
@@ -54,12 +60,12 @@ def _best(fn, repeats: int) -> float:
   return min(times)
 
 
-def ours(loaded, prompts, new_tokens: int, repeats: int) -> dict:
+def ours(loaded, prompts, new_tokens: int, repeats: int, decode_dtype: str = "float32") -> dict:
   import jax
   import numpy as np
   from mdlm_jax.model.spec import for_decoding
   from mdlm_jax.sampling.ar import ARSampler
-  model = for_decoding(loaded)
+  model = for_decoding(loaded, decode_dtype=decode_dtype)
   ids = [loaded.tokenizer.encode(p) for p in prompts]
   width = max(len(i) for i in ids)
   tokens = np.zeros((len(ids), width), np.int32)
@@ -146,11 +152,13 @@ def main(argv=None):
                        "load_params_only_s": load_folder_s},
             "runs": []}
   del named
-  progress = common.Progress("bench ar", len(a.batch_sizes) * 3)
+  progress = common.Progress("bench ar", len(a.batch_sizes) * (2 + len(a.decode_dtypes)))
   for b in a.batch_sizes:
     prompts = (PROMPTS * -(-b // len(PROMPTS)))[:b]
-    rows = {"mdlm_jax": ours(loaded, prompts, a.new_tokens, a.repeats)}
-    progress.advance()
+    rows = {}
+    for dtype in a.decode_dtypes:
+      rows[f"mdlm_jax {dtype}"] = ours(loaded, prompts, a.new_tokens, a.repeats, dtype)
+      progress.advance()
     rows["transformers"] = ({"error": "skipped (--skip)"} if "transformers" in a.skip else
                             transformers_generate(path, prompts, a.new_tokens, a.repeats, a.threads))
     progress.advance()

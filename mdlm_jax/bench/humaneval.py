@@ -235,12 +235,13 @@ class EngineBackend:
   """A diffusion checkpoint served by the engine in this process."""
 
   def __init__(self, loaded, *, effort: str, temperature: float, slots: int = 8, max_prompt: int = 1024,
-               max_new_tokens: int = 256, **overrides):
+               max_new_tokens: int = 256, decode_dtype: str = "float32", **overrides):
     from mdlm_jax.engine.engine import Engine
     from mdlm_jax.sampling import presets
     bs = presets.block_size_for(loaded.config.diffusion.block_size)
-    self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt,
-                         max_new_tokens=-(-max_new_tokens // bs) * bs, max_queue=1 << 20).start()
+    # Warmed up: the timed answers do not wait for compilation.
+    self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt, max_new_tokens=-(-max_new_tokens // bs) * bs,
+                         max_queue=1 << 20, decode_dtype=decode_dtype).warmup().start()
     self.sampler = self.engine.sampler_for(effort, temperature=temperature, **overrides)
     # Infilling requests cannot be revised: they decode as the effort does without.
     infill = {k: v for k, v in overrides.items() if k != "revise"}
@@ -287,9 +288,9 @@ class ARBackend:
   """An AR checkpoint through its KV-cached generator; infilling from the FIM
   prompt, for a checkpoint trained with it."""
 
-  def __init__(self, loaded, *, temperature: float, batch: int = 8):
+  def __init__(self, loaded, *, temperature: float, batch: int = 8, decode_dtype: str = "float32"):
     from mdlm_jax.sampling.generate import ARGenerator
-    self.gen, self.temperature, self.batch = ARGenerator(loaded), temperature, batch
+    self.gen, self.temperature, self.batch = ARGenerator(loaded, decode_dtype=decode_dtype), temperature, batch
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:
     if any(suffixes) and self.gen.fim is None:
@@ -309,12 +310,30 @@ class ARBackend:
         progress.advance(len(part))
     return out
 
+  def _render(self, requests):
+    from mdlm_jax.server import chat_template
+    return [chat_template.render([{"role": "user", "content": t}], self.gen.loaded.chat_template, self.gen.tok)
+            for t in requests]
+
+  def warmup(self, requests: Sequence[str], *, max_tokens: int) -> "ARBackend":
+    """Compiles the program of every prompt width `chat(requests)` will use
+    (one untimed batch each), so a timed run measures decoding alone."""
+    from mdlm_jax.sampling.generate import prompt_width
+    rendered = self._render(requests)
+    by_width = {}
+    for p, stops, add_bos in rendered:
+      n = len(self.gen.encode_prompt(p, add_bos))
+      by_width.setdefault(prompt_width(n), []).append((p, stops, add_bos))
+    for part in by_width.values():
+      part = part[:self.batch]
+      self.gen.generate([p for p, _, _ in part], max_new_tokens=max_tokens, temperature=self.temperature,
+                        stop=sorted({s for _, ss, _ in part for s in ss}), add_bos=part[0][2])
+    return self
+
   def chat(self, requests: Sequence[str], *, max_tokens: int, seed: int) -> tuple[list[str], dict]:
     """Answers through the checkpoint's chat template, and {tokens, passes}
     (one pass a token, the prompt's prefill not counted)."""
-    from mdlm_jax.server import chat_template
-    rendered = [chat_template.render([{"role": "user", "content": t}], self.gen.loaded.chat_template, self.gen.tok)
-                for t in requests]
+    rendered = self._render(requests)
     out, stats = [], {"tokens": 0, "passes": 0}
     progress = Progress("answers", len(requests))
     for lo in range(0, len(rendered), self.batch):

@@ -57,6 +57,8 @@ class Engine:
   default, on CPU, passes over a few slots read an [out, in] copy and larger
   passes and prefills the trained layout, each the faster there (the engine
   then holds the weights twice); elsewhere the weights as loaded.
+  `decode_dtype="int8"`: the copy for passes over a few slots holds
+  weight-only int8 weights (a quarter of the bytes a pass reads).
   `grammar_policy`: how much of a constrained pass's grammatical prefix to
   commit (`grammar.Constraint.accept`).
   `admit_batch`: the most requests admitted in one turn that share a prefill
@@ -84,7 +86,7 @@ class Engine:
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
                admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
-               prefill_chunk: int = 0):
+               prefill_chunk: int = 0, decode_dtype: str = "float32"):
     if loaded.spec.cfg.causal:  # an AR checkpoint: blocks of one token, each pass commits the next
       if block_size not in (None, 1):
         raise ValueError(f"an autoregressive checkpoint decodes one token a pass; block_size must be 1, got"
@@ -100,7 +102,7 @@ class Engine:
     if context < bs + 1:
       raise ValueError(f"max_context ({context}) must hold a prompt token and a block of {bs}")
     max_prompt = min(max_prompt, context - bs)
-    few, many = decoding_pair(loaded, weight_layout)
+    few, many = decoding_pair(loaded, weight_layout, decode_dtype)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, min(max_new_tokens, (context - 1) // bs * bs),

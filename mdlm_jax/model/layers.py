@@ -32,7 +32,10 @@ def dense(x2d, w2d, dtype, out_in: bool = False):
   """A matmul on [tokens, features]. Activations are flattened to 2-D before
   every weight matmul: XLA:CPU runs the backward of a [b, l, d] x [d, m]
   contraction at half the speed of the same product on [b * l, d].
-  With `out_in` the weight is stored [out, in] (`kernels.out_in_matmul`)."""
+  With `out_in` the weight is stored [out, in] (`kernels.out_in_matmul`);
+  an int8 decoding weight (`kernels.QuantizedWeight`) is always [out, in]."""
+  if isinstance(w2d, kernels.QuantizedWeight):
+    return kernels.int8_matmul(x2d, w2d).astype(dtype)
   x2d, w2d = x2d.astype(dtype), w2d.astype(dtype)
   return kernels.out_in_matmul(x2d, w2d) if out_in else x2d @ w2d
 

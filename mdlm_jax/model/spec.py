@@ -16,7 +16,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from mdlm_jax.model.transformer import ModelConfig, Transformer, convert_weight_layout
+from mdlm_jax.model.transformer import (DECODE_DTYPES, ModelConfig, Transformer, convert_weight_layout,
+                                        quantize_for_decoding)
 from mdlm_jax.parallel import sharding
 
 
@@ -77,21 +78,41 @@ def next_token_view(loaded: Any) -> Any:
   return dataclasses.replace(loaded, spec=spec)
 
 
-def for_decoding(loaded: Any, layout: str | None = None) -> Any:
+def for_decoding(loaded: Any, layout: str | None = None, decode_dtype: str = "float32") -> Any:
   """The model in weight layout `layout`, by default the one that decodes
   fastest where its params live: "out_in" on CPU (a few token rows per pass
-  read an [out, in] weight up to 2.5x faster there), as loaded elsewhere."""
+  read an [out, in] weight up to 2.5x faster there), as loaded elsewhere.
+  `decode_dtype="int8"` stores the matmul weights in weight-only int8
+  (`with_int8_weights`; the layout is then "out_in")."""
+  if decode_dtype not in DECODE_DTYPES:
+    raise ValueError(f"unknown decode dtype {decode_dtype!r}; choose from {DECODE_DTYPES}")
+  if decode_dtype == "int8":
+    if layout not in (None, "out_in"):
+      raise ValueError(f"int8 decoding weights are stored [out, in]; weight layout {layout!r} cannot hold them")
+    return with_int8_weights(with_weight_layout(loaded, "out_in"))
   if layout is None:
     platform = next(iter(jax.tree.leaves(loaded.params)[0].devices())).platform
     layout = "out_in" if platform == "cpu" else loaded.spec.cfg.weight_layout
   return with_weight_layout(loaded, layout)
 
 
-def decoding_pair(loaded: Any, layout: str | None = None) -> tuple[Any, Any]:
+def with_int8_weights(loaded: Any) -> Any:
+  """The same "out_in" model with int8 matmul weights (`quantize_for_decoding`),
+  on its one device: a copy made once, for decoding only."""
+  first = jax.tree.leaves(loaded.params)[0].sharding
+  if isinstance(first, jax.sharding.NamedSharding) and first.mesh.size > 1:
+    raise ValueError("int8 decoding weights are for one device; this model is sharded over"
+                     f" {first.mesh.size} devices")
+  params = jax.jit(functools.partial(quantize_for_decoding, cfg=loaded.spec.cfg))(loaded.params)
+  return dataclasses.replace(loaded, params=params)
+
+
+def decoding_pair(loaded: Any, layout: str | None = None, decode_dtype: str = "float32") -> tuple[Any, Any]:
   """(model for passes over few token rows, model for more): both in `layout`
-  when given; else, on CPU, the [out, in] copy and the trained layout (past
-  layers.FEW_ROWS rows the trained layout is the faster); elsewhere as loaded."""
-  few = for_decoding(loaded, layout)
+  when given; else, on CPU, the [out, in] copy (int8 with `decode_dtype`) and
+  the trained layout in float32 (past layers.FEW_ROWS rows the trained layout
+  is the faster, and a long prompt's prefill stays exact); elsewhere as loaded."""
+  few = for_decoding(loaded, layout, decode_dtype)
   if layout is not None or few is loaded:
     return few, few
   return few, with_weight_layout(loaded, "in_out")

@@ -14,6 +14,7 @@ import ml_collections
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
+from mdlm_jax import kernels
 from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import MLP, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
@@ -154,7 +155,7 @@ class Transformer(nnx.Module):
     """Embedding, blocks and final norm: the one body of the full and the cached forward."""
     cfg = self.cfg
     dt = compute_dtype(cfg.dtype)
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
+    x = embed(self.embedding[...], tokens).astype(dt)
     x = constrain(x, ("batch", "length", "act_embed"))
     cond = None
     if self.time_embedding is not None:
@@ -181,7 +182,8 @@ class Transformer(nnx.Module):
   def forward_cached(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: KVCache, *,
                      commit: bool, valid_new: Bool[Array, "b t"] | None = None,
                      t: Float[Array, "b"] | None = None, commit_len: int | Int[Array, "b"] | None = None,
-                     new_block: int = 0, head: bool = False) -> tuple[Float[Array, "b t v"] | HeadInput, KVCache]:
+                     new_block: int = 0, head: bool = False,
+                     last_only: bool = False) -> tuple[Float[Array, "b t v"] | HeadInput, KVCache]:
     """Logits of t new tokens that read the cache's valid filled slots and each other.
 
     The new tokens see one another causally when cfg.causal, else all of them
@@ -198,6 +200,9 @@ class Transformer(nnx.Module):
     block or the prompt (to keep) and denoises the next block. Logits are
     then returned for the tail block only, [b, new_block, v]. With `head`
     (static) a `HeadInput` replaces the logits, for a sampler's fused head.
+    `last_only` (static) returns the last column alone, [b, 1, v]: an AR
+    prefill reads nothing else, and [b, t, v] logits of a long prompt batch
+    are the largest array of the pass.
     """
     b, n = tokens.shape
     if valid_new is None:
@@ -220,6 +225,8 @@ class Transformer(nnx.Module):
       # or, with nothing kept before them in this pass, the cache's last token.
       before = jnp.minimum(keep, n - new_block) if new_block > 0 else 0
       out = jnp.concatenate([_last_kept(x, before, cache.last_hidden)[:, None], out[:, :-1]], axis=1)
+    if last_only:
+      out = out[:, -1:]
     out = self.head_input(out) if head else self.logits(out)
     if not commit:
       return out, cache
@@ -335,6 +342,36 @@ def convert_weight_layout(params: dict, cfg: ModelConfig, to: str) -> dict:
     out["blocks"][i] = dict(block, attn=attn, mlp=mlp)
   if "head" in params:
     out["head"] = params["head"].T
+  return out
+
+
+def embed(table, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
+  """Rows of the embedding table (float, or int8 with a scale per row)."""
+  if isinstance(table, kernels.QuantizedWeight):
+    return jnp.take(table.q, tokens, axis=0).astype(jnp.float32) * jnp.take(table.scale, tokens)[..., None]
+  return jnp.take(table, tokens, axis=0)
+
+
+DECODE_DTYPES = ("float32", "int8")
+
+
+def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
+  """`params` of an "out_in" model with every matmul weight (q/k/v, output,
+  gate/up, down, embedding, untied head) in weight-only int8, a float32 scale
+  per output row (`kernels.QuantizedWeight`); adapters, norms and biases stay
+  as they are. A pass at batch 1 reads a quarter of the bytes."""
+  if cfg.weight_layout != "out_in":
+    raise ValueError(f"int8 decoding weights are stored [out, in]: convert the model to weight_layout='out_in'"
+                     f" first (it is {cfg.weight_layout!r})")
+  out = dict(params, blocks={})
+  for i, block in params["blocks"].items():
+    attn, mlp = dict(block["attn"]), dict(block["mlp"])
+    attn.update(wqkv=kernels.quantize(attn["wqkv"], out_dims=2), wo=kernels.quantize(attn["wo"], out_dims=1))
+    mlp.update(w_in=kernels.quantize(mlp["w_in"], out_dims=2), w_down=kernels.quantize(mlp["w_down"], out_dims=1))
+    out["blocks"][i] = dict(block, attn=attn, mlp=mlp)
+  out["embedding"] = kernels.quantize(params["embedding"], out_dims=1)
+  if "head" in params:
+    out["head"] = kernels.quantize(params["head"], out_dims=1)
   return out
 
 

@@ -121,7 +121,7 @@ def _generate(sampler: ARSampler, graphdef, params, prompt, prompt_valid, key, e
   num_real = jnp.sum(prompt_valid, axis=1, dtype=jnp.int32)
   # The last sampled token is never fed back: p + n - 1 slots suffice.
   cache = KVCache.init(model.cfg, b, p + n - 1)
-  logits, cache = model.forward_cached(prompt, positions, cache, commit=True, valid_new=prompt_valid)
+  logits, cache = model.forward_cached(prompt, positions, cache, commit=True, valid_new=prompt_valid, last_only=True)
 
   def record(tokens, done, lengths, i, tok):
     """Stores token i: pad for rows already done; EOS ends a row without counting."""

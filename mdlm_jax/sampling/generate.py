@@ -66,13 +66,15 @@ def draft_text(tok, ids, mask_text: str = MASK_TEXT) -> str:
 class Generator:
   """Samples from a loaded MDLM checkpoint (any diffusion sampler)."""
 
-  def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None):
+  def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None,
+               decode_dtype: str = "float32"):
     """`mesh`: run under this mesh (params as loaded onto it, the batch of
     rows sharded over 'data' x 'fsdp'); None: wherever the params live.
     `weight_layout`: decode from a copy of the weights in this layout. By
     default, on CPU, calls whose passes carry few token rows read an [out, in]
-    copy and larger ones the trained layout (`builder.decoding_pair`)."""
-    self._few, self._many = decoding_pair(loaded, weight_layout)
+    copy and larger ones the trained layout (`model.spec.decoding_pair`).
+    `decode_dtype="int8"`: that few-row copy holds weight-only int8 weights."""
+    self._few, self._many = decoding_pair(loaded, weight_layout, decode_dtype)
     loaded = self._few
     self.loaded, self.mesh = loaded, mesh
     self.tok = loaded.tokenizer
@@ -230,13 +232,21 @@ class Generator:
     return draft_text(self.tok, region, mask_text)
 
 
+def prompt_width(length: int) -> int:
+  """The padded prompt width of an AR call: a power of two from 16, so that
+  prompts of many lengths share a few compiled programs (left padding costs
+  only the prefill)."""
+  return max(16, 1 << max(length - 1, 0).bit_length())
+
+
 class ARGenerator:
   """The AR twin behind the same text-in/text-out interface (KV-cached decoding)."""
 
-  def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None):
+  def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None,
+               decode_dtype: str = "float32"):
     if not loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is a diffusion model; use Generator")
-    loaded = for_decoding(loaded, weight_layout)
+    loaded = for_decoding(loaded, weight_layout, decode_dtype)
     self.loaded, self.mesh, self.tok = loaded, mesh, loaded.tokenizer
     self.fim = fim.format_for(loaded.config, self.tok)  # a twin trained with FIM infills from the PSM prompt
 
@@ -258,7 +268,7 @@ class ARGenerator:
     if suffixes is not None and len(suffixes) != len(prompts):
       raise ValueError(f"{len(suffixes)} suffixes for {len(prompts)} prompts")
     ids = [self.encode_prompt(p, add_bos, None if suffixes is None else suffixes[i]) for i, p in enumerate(prompts)]
-    width = max(16, -(-max(len(i) for i in ids) // 16) * 16)
+    width = prompt_width(max(len(i) for i in ids))
     tokens = np.full((len(ids), width), self.tok.pad_id, np.int32)
     valid = np.zeros((len(ids), width), bool)
     for r, row in enumerate(ids):
@@ -281,8 +291,9 @@ class ARGenerator:
     return Result(completions, n, n, seconds)
 
 
-def generator_for(loaded: LoadedModel, mesh=None):
-  return ARGenerator(loaded, mesh) if loaded.spec.cfg.causal else Generator(loaded, mesh)
+def generator_for(loaded: LoadedModel, mesh=None, decode_dtype: str = "float32"):
+  cls = ARGenerator if loaded.spec.cfg.causal else Generator
+  return cls(loaded, mesh, decode_dtype=decode_dtype)
 
 
 __all__ = ["ARGenerator", "generator_for", "Generator", "Completion", "Result", "AncestralSampler"]

@@ -154,6 +154,7 @@ def test_a_diffusion_checkpoint_end_to_end(tiny_checkpoints, cache, tmp_path, ca
     assert 0.0 <= res[mode]["pass@1"] <= 1.0 and res[mode]["samples_per_task"] == 1
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_length_mode_gives_each_hole_its_true_token_count(tiny_checkpoints, cache, monkeypatch):
   """--length: each infilling request's max_tokens is its hole's tokens."""
   from mdlm_jax import checkpoints

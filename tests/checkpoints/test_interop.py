@@ -188,6 +188,7 @@ def test_errors_name_the_problem(tok, tmp_path):
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_gqa_kv_cache_holds_only_kv_heads(tok):
   """The cache stores 2 kv heads for 4 query heads, and cached decoding matches the full forward."""
   c, params = make(tok)
@@ -409,6 +410,7 @@ def test_published_folder_tokenizer_errors(hf_tok, hf_json, tmp_path):
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_rope_scaling_travels_through_the_dream_layout(tok, tmp_path):
   """A model extended with YaRN exports as Dream's `rope_scaling` and loads
   back with the same scaling and logits; LLaDA's config has no place for it."""

@@ -79,6 +79,7 @@ def test_low_confidence_and_threshold_rules_share_passes_and_decode_as_alone(loa
   assert first.passes == 1 + 3 * -(-max(first.completion_tokens, 1) // 8)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_infilling_matches_the_generator_and_respects_max_tokens(loaded, engine):
   """A fill-in-the-middle request in the slots gives the one-shot cached
   sampler's middle for the same suffix, seed and settings (two code paths,
@@ -250,6 +251,7 @@ def test_cancel_frees_the_slot_and_errors_are_clear(loaded):
     e.submit(_request(loaded, PROMPTS[0], max_tokens=8))
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_a_request_is_held_to_the_context_its_slot_reserves(loaded):
   """max_context bounds prompt + suffix + generation (in blocks), whatever
   each bound alone allows; the cache holds just that, and a request that fits
@@ -375,6 +377,7 @@ def fim_loaded(tmp_path_factory):
   return checkpoints.load(workdir)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_a_fim_trained_model_infills_from_its_psm_prompt(fim_loaded):
   """Prefix and suffix go into the prompt in the order the model was trained
   on, not into the cache: in the engine and in the one-shot generator alike."""
@@ -418,6 +421,7 @@ def guided_engine(loaded):
   e.close(deadline_s=1)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_constrained_outputs_validate_and_others_decode_as_alone(loaded, guided_engine):
   """JSON-schema requests (greedy and sampled) share passes with a plain one:
   each output parses and validates (jsonschema is the referee), and the
@@ -493,6 +497,7 @@ def test_logprobs_of_forced_and_proposed_tokens(loaded, guided_engine):
   assert any(lp == 0.0 and alts == [(i, 0.0)] for i, lp, alts in entries if i in forced_ids)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_requests_admitted_together_share_prefills_and_decode_as_alone(loaded, engine):
   """Four requests waiting when an engine starts (prompts of different
   lengths, one infilling) are prefilled in fewer forwards than requests, and
@@ -514,6 +519,7 @@ def test_requests_admitted_together_share_prefills_and_decode_as_alone(loaded, e
   assert got == alone
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_an_idle_engine_waits_for_announced_requests_and_admits_them_together(loaded):
   """Four requests announced at once, submitted over 100 ms: the first waits
   for the others and all four share one prefill; a lone request does not wait."""
@@ -581,6 +587,7 @@ def _first_block_logprobs(loaded, prompt, bs, chunk):
       - logits.max(-1, keepdims=True)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_chunked_prefill_reads_earlier_chunks_and_lets_others_decode_meanwhile(loaded):
   """A prompt longer than prefill_chunk is encoded a chunk a turn: its first
   block's distribution is the uncached model's with the prompt read

@@ -242,3 +242,30 @@ def test_cache_under_mesh_matches_single_device():
     # Each device holds half the rows and half the heads of every layer.
     assert cache.k.sharding.shard_shape(cache.k.shape) == (2, 1, 2, 8, P + 2)
     assert cache.v.sharding.shard_shape(cache.v.shape) == (2, 1, 2, P + 2, 8)
+
+
+@pytest.mark.parametrize("kw", [CAUSAL, SHIFTED], ids=["causal", "shifted"])
+def test_last_only_is_the_last_column_without_the_others_logits(kw):
+  """`last_only` gives the full call's last column (same cache), and the compiled
+  prefill holds no [b, t, v] array: a long prompt batch's logits were its largest."""
+  cfg = ModelConfig(**{**BASE, **dict(kw), "vocab_size": 4096})
+  spec = model_spec(cfg, None)
+  params = random_params(spec.abstract, int(np.random.default_rng().integers(1 << 30)))
+  b, t = 4, 64
+  tokens = jnp.asarray(np.random.default_rng().integers(0, 4096, size=(b, t)), jnp.int32)
+  positions, cache = arange_pos(b, 0, t), KVCache.init(cfg, b, t + 1)
+  time = jnp.full((b,), 0.5) if cfg.time_conditioning else None
+
+  def prefill(params, last_only):
+    return bind(spec, params).forward_cached(tokens, positions, cache, commit=True, t=time, last_only=last_only)
+
+  full, full_cache = jax.jit(prefill, static_argnums=1)(params, False)
+  last, last_cache = jax.jit(prefill, static_argnums=1)(params, True)
+  assert last.shape == (b, 1, 4096)
+  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, -1:], **TOL)
+  assert_same_cache(full_cache, last_cache)
+  # As an AR prefill uses it: the next token's logits, then whatever comes after.
+  next_logits = jax.jit(lambda params, last_only: prefill(params, last_only)[0][:, -1], static_argnums=1)
+  temp = next_logits.lower(params, True).compile().memory_analysis().temp_size_in_bytes
+  logits_bytes = b * t * 4096 * 4
+  assert temp < logits_bytes / 2, f"{temp} bytes of temporaries: the prompt's logits are still computed"

@@ -84,6 +84,7 @@ def test_training_with_a_split_sequence_matches_one_device(name):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), weights, ref_weights)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_activations_are_split_along_the_sequence():
   """The residual stream inside the step is sharded over the sequence axis."""
   from mdlm_jax.model import Transformer

@@ -97,6 +97,7 @@ class _CachedConstant:
     return jnp.broadcast_to(self.logits, (tokens.shape[0], new_block or tokens.shape[1], self.vocab)), cache
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_banned_token_never_appears_and_forced_token_fills_the_draft(generator):  # noqa: F811
   base = ThresholdSampler(threshold=0.1, block_size=8, temperature=0.0, kv_cache=True)
   free = generator.generate(["def f(x):\n"], max_new_tokens=16, sampler=base, seed=1).completions[0].tokens

@@ -1,0 +1,149 @@
+"""Weight-only int8 decoding weights: one float32 scale per output row.
+
+A decoding pass at batch 1 reads every weight once for a few token rows, so
+its time is the bytes it reads: int8 weights read a quarter of float32's.
+XLA:CPU does not fuse an int8 -> float32 convert into a dot (it writes a
+float32 copy of the weight first, every pass), so on CPU the product runs in a
+small C++ kernel (`int8_matmul.cc`) called through the XLA FFI. The kernel is
+compiled on first use with the machine's C++ compiler (`$CXX`, else g++) into
+the cache folder; without a compiler, and on other backends, the product is
+XLA's convert-then-dot, slower but the same numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int8
+
+# Up to this many token rows the kernel reads each weight row once for all of
+# them; past it XLA's dot on the converted weight is the faster (measured).
+KERNEL_MAX_ROWS = 16
+FFI_TARGET = "mdlm_jax_int8_matmul"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_matmul.cc")
+
+
+@struct.dataclass
+class QuantizedWeight:
+  """A weight stored [out..., in...] as int8 `q` and the float32 `scale` of
+  each output row (`scale.shape == q.shape[:scale.ndim]`): w = q * scale.
+
+  It stands where a float weight array stands in a model's params (a Param's
+  value), so it answers `w[...]`, `.shape` and a `.reshape` to the 2-D
+  [out, in] form the product takes."""
+
+  q: Int8[Array, "..."]
+  scale: Float[Array, "..."]
+
+  def __getitem__(self, index):
+    if index is not Ellipsis:
+      raise TypeError("a QuantizedWeight is read whole (w[...])")
+    return self
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.q.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.q.ndim
+
+  def reshape(self, *shape) -> "QuantizedWeight":
+    """The [out, in] matrix form: its rows must be the output rows."""
+    q = self.q.reshape(*shape)
+    if q.ndim != 2 or q.shape[0] != self.scale.size:
+      raise ValueError(f"a QuantizedWeight of {self.q.shape} reshapes to [out, in] with {self.scale.size} rows,"
+                       f" not {q.shape}")
+    return QuantizedWeight(q, self.scale.reshape(-1))
+
+  def dequantize(self, dtype=jnp.float32) -> Array:
+    scale = self.scale.reshape(self.scale.shape + (1,) * (self.q.ndim - self.scale.ndim))
+    return (self.q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def quantize(w: Float[Array, "..."], out_dims: int = 1) -> QuantizedWeight:
+  """Symmetric per-row int8 of a weight stored with its `out_dims` output
+  dimensions first: each row's largest magnitude maps to 127."""
+  w = jnp.asarray(w, jnp.float32)
+  axes = tuple(range(out_dims, w.ndim))
+  amax = jnp.max(jnp.abs(w), axis=axes)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  q = jnp.clip(jnp.round(w / scale.reshape(scale.shape + (1,) * len(axes))), -127, 127).astype(jnp.int8)
+  return QuantizedWeight(q, scale)
+
+
+def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight) -> Float[Array, "m n"]:
+  """x2d [tokens, in] times the 2-D [out, in] `w`: [tokens, out], float32."""
+  if w.q.ndim != 2:
+    raise ValueError(f"int8_matmul takes a 2-D [out, in] weight, got {w.q.shape}")
+  x2d = x2d.astype(jnp.float32)
+
+  def with_xla(x, q, scale):
+    return jnp.einsum("mk,nk->mn", x, q.astype(jnp.float32)) * scale
+
+  if x2d.shape[0] > KERNEL_MAX_ROWS or not native_kernel_ready():
+    return with_xla(x2d, w.q, w.scale)
+
+  def with_kernel(x, q, scale):
+    return jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))(x, q, scale)
+
+  return jax.lax.platform_dependent(x2d, w.q, w.scale, cpu=with_kernel, default=with_xla)
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def native_kernel_ready() -> bool:
+  """Whether the C++ kernel is built and registered (building it on the first
+  call); False, with one warning, where it cannot be built."""
+  with _lock:
+    if "ready" not in _state:
+      try:
+        lib = ctypes.cdll.LoadLibrary(_build())
+        jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
+        _state["ready"] = True
+      except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        print(f"int8 weights: the CPU kernel could not be built ({e}); using XLA's slower convert-then-dot",
+              file=sys.stderr)
+        _state["ready"] = False
+    return bool(_state["ready"])
+
+
+def _build() -> str:
+  """The compiled kernel's path in the cache, compiled (atomically) if absent."""
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if not compiler:
+    raise RuntimeError("no C++ compiler (set $CXX or install g++)")
+  flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+  with open(_SOURCE, "rb") as f:
+    source = f.read()
+  key = hashlib.sha256(source + " ".join([compiler, *flags, jax.__version__]).encode()).hexdigest()[:16]
+  root = os.environ.get("MDLM_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mdlm_jax")
+  out_dir = os.path.join(root, "kernels")
+  path = os.path.join(out_dir, f"int8_matmul-{key}.so")
+  if os.path.exists(path):
+    return path
+  os.makedirs(out_dir, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+  os.close(fd)
+  try:
+    subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp], check=True,
+                   capture_output=True, text=True)
+    os.replace(tmp, path)
+  except subprocess.CalledProcessError as e:
+    raise RuntimeError(f"{compiler} failed: {e.stderr.strip()[-400:]}") from e
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  return path

@@ -1,0 +1,61 @@
+"""Weight-only int8 decoding weights: the quantizer, the CPU kernel and XLA's
+path against float64 products of the dequantized weights, on fresh inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax import kernels
+from mdlm_jax.kernels import int8
+
+
+def fresh_rng():
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  return np.random.default_rng(seed), seed
+
+
+def test_quantize_maps_each_rows_largest_magnitude_to_127_and_rounds_the_rest():
+  rng, seed = fresh_rng()
+  w = rng.normal(size=(6, 5, 40)).astype(np.float32)
+  w[2, 1] = 0.0  # an all-zero row keeps a finite scale
+  qw = kernels.quantize(jnp.asarray(w), out_dims=2)
+  q, scale = np.asarray(qw.q), np.asarray(qw.scale, np.float64)
+  assert q.dtype == np.int8 and scale.shape == (6, 5)
+  amax = np.abs(w.astype(np.float64)).max(-1)
+  np.testing.assert_allclose(scale, np.where(amax > 0, amax / 127, 1.0), rtol=1e-6)
+  np.testing.assert_array_equal(np.abs(q).max(-1)[amax > 0], 127)
+  np.testing.assert_array_equal(q, np.round(w / scale[..., None].astype(np.float32)).astype(np.int8))
+  # within half a step of the weight, row by row
+  err = np.abs(np.asarray(qw.dequantize(), np.float64) - w)
+  assert (err <= scale[..., None] / 2 + 1e-7).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 5])
+def test_int8_matmul_equals_the_float64_product_of_the_dequantized_weight(rows):
+  rng, seed = fresh_rng()
+  k, n = int(rng.integers(20, 200)), int(rng.integers(20, 300))
+  qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32))
+  x = rng.normal(size=(rows, k)).astype(np.float32)
+  got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw))
+  want = x.astype(np.float64) @ (np.asarray(qw.q, np.float64) * np.asarray(qw.scale, np.float64)[:, None]).T
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
+
+
+def test_the_kernel_runs_on_cpu_for_few_rows_and_xla_for_more():
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
+  qw = kernels.quantize(jnp.ones((8, 16)))
+
+  def hlo(rows):
+    return jax.jit(kernels.int8_matmul).lower(jnp.ones((rows, 16)), qw).as_text()
+  assert int8.FFI_TARGET in hlo(int8.KERNEL_MAX_ROWS)
+  assert int8.FFI_TARGET not in hlo(int8.KERNEL_MAX_ROWS + 1)
+
+
+def test_a_quantized_weight_reshapes_only_to_its_rows():
+  qw = kernels.quantize(jnp.ones((3, 4, 10)), out_dims=2)
+  flat = qw.reshape(12, -1)
+  assert flat.shape == (12, 10) and flat.scale.shape == (12,)
+  with pytest.raises(ValueError, match="12 rows"):
+    qw.reshape(3, 40)
