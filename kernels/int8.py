@@ -91,13 +91,12 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight) -> Float[Array, "m
   def with_xla(x, q, scale):
     return jnp.einsum("mk,nk->mn", x, q.astype(jnp.float32)) * scale
 
-  if x2d.shape[0] > KERNEL_MAX_ROWS or not native_kernel_ready():
+  # Decided while tracing, not with lax.platform_dependent: its conditional
+  # around every product kept XLA:CPU from running the passes at speed.
+  if x2d.shape[0] > KERNEL_MAX_ROWS or jax.default_backend() != "cpu" or not native_kernel_ready():
     return with_xla(x2d, w.q, w.scale)
-
-  def with_kernel(x, q, scale):
-    return jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))(x, q, scale)
-
-  return jax.lax.platform_dependent(x2d, w.q, w.scale, cpu=with_kernel, default=with_xla)
+  out = jax.ShapeDtypeStruct((x2d.shape[0], w.q.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, w.q, w.scale)
 
 
 _lock = threading.Lock()
