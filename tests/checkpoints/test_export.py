@@ -87,6 +87,7 @@ def _logits(loaded, tokens):
   return np.asarray(model(tokens, t if model.cfg.time_conditioning else None))
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_export_cli_bfloat16_and_float32(tiny_checkpoints, tmp_path, capsys):
   from mdlm_jax import export
   src = checkpoints.load(tiny_checkpoints["mdlm"])

@@ -113,6 +113,7 @@ def test_a_shifted_head_matches_the_generator(loaded):
     e.close(deadline_s=1)
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_passes_over_some_slots_match_the_generator(loaded, engine):
   """Two requests in 4 slots run passes over the first 2 only (rows sliced
   out of the state, written back in place, the cache by its written window)."""
