@@ -194,16 +194,17 @@ def load_init(config, mesh) -> LoadedModel | None:
 def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str, fresh=None):
   """`init`'s parameters laid out as `spec`'s; the shapes must match exactly
   (the causal flag and objective may differ: that is the point). Adapters
-  (model.lora_rank) the init model lacks take their values from `fresh`,
-  the new model's initialisation (their up-projections start at zero, so
-  the adapted model starts as `init`)."""
+  (model.lora_rank) the init model lacks take their values from
+  `fresh(names)`, the new model's initialisation of just those parameters
+  ({name: array}; their up-projections start at zero, so the adapted model
+  starts as `init`)."""
   have = jax.tree_util.tree_flatten_with_path(init.params)[0]
   want = jax.tree_util.tree_flatten_with_path(spec.abstract)[0]
   have_shapes = {jax.tree_util.keystr(k): v.shape for k, v in have}
   added = [k for k, _ in want if jax.tree_util.keystr(k) not in have_shapes and is_adapter(k)]
   if added and fresh is not None:
     have_by_name = {jax.tree_util.keystr(k): v for k, v in have}
-    fresh_by_name = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(fresh)[0]}
+    fresh_by_name = fresh(frozenset(jax.tree_util.keystr(k) for k in added))
     leaves = [have_by_name.get(jax.tree_util.keystr(k), fresh_by_name[jax.tree_util.keystr(k)]) for k, _ in want]
     full = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec.abstract), leaves)
     return init_from_weights(dataclasses.replace(init, params=full), spec, path)
@@ -326,9 +327,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                   fim_spm_rate=float(config.data.fim_spm_rate),
                                   fim_level=config.data.fim_level)
   with jax.set_mesh(mesh):
-    params = init_params(spec, config.seed)
-    if init is not None:
-      params = init_from_weights(init, spec, config.train.init_from, fresh=params)
+    if init is None:
+      params = init_params(spec, config.seed)
+    else:  # only what the init model lacks (adapters) is initialised
+      params = init_from_weights(init, spec, config.train.init_from,
+                                 fresh=lambda names: init_params(spec, config.seed, only=names))
     if init is not None:
       log(f"initialised from {config.train.init_from} (step {init.step})")
       del init

@@ -166,6 +166,7 @@ def test_passes_do_not_copy_the_cache(loaded):
       assert not rewrites, f"rows={rows}, with_head={with_head}: {len(rewrites)} whole-layer rewrites"
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_sampled_tokens_do_not_depend_on_company(loaded, engine):
   req = _request(loaded, PROMPTS[0], max_tokens=16, temperature=1.0, seed=7, threshold=0.8, min_tokens=2)
   alone = engine.submit(req).result(timeout=120).text
@@ -629,6 +630,7 @@ def test_prefill_chunk_is_checked(loaded):
   assert Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=8, block_size=8, prefill_chunk=64).prefill_chunk == 0
 
 
+@pytest.mark.slow  # heavy end-to-end: outside the default run
 def test_logit_moves_match_the_generator_row_by_row(loaded, engine):
   """Penalties and logit_bias apply to their own rows of a shared pass: each
   request gives the one-shot sampler's tokens alone, and a request without

@@ -392,3 +392,22 @@ def test_modulation_is_zero_initialised():
   outs = mod(jnp.asarray(np.random.default_rng(24).normal(size=(3, 8)), jnp.float32))
   assert len(outs) == 6 and outs[0].shape == (3, 1, 16)
   assert all(np.all(np.asarray(o) == 0) for o in outs)
+
+
+def test_init_params_of_some_names_equals_those_of_the_whole_initialisation():
+  """A run from an imported base initialises only its adapters: the same
+  values as the whole model's initialisation, by name, and nothing else."""
+  from mdlm_jax.model.spec import init_params, model_spec
+  cfg = ModelConfig(vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, causal=False,
+                    time_conditioning=False, lora_rank=4, lora_alpha=8.0)
+  spec = model_spec(cfg, None)
+  seed = int(np.random.default_rng().integers(1 << 30))
+  whole = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(init_params(spec, seed))[0]}
+  adapters = frozenset(n for n in whole if "lora" in n)
+  assert adapters and len(adapters) < len(whole)
+  some = init_params(spec, seed, only=adapters)
+  assert set(some) == adapters
+  for name in adapters:
+    np.testing.assert_array_equal(np.asarray(some[name]), np.asarray(whole[name]), err_msg=name)
+  with pytest.raises(ValueError, match="no parameters"):
+    init_params(spec, seed, only=frozenset({"['nothing']"}))
