@@ -26,6 +26,18 @@ kept, 104K tokens) and continues from the first round's adapters:
   python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat2 \\
       --config.train.init_from=runs/a2d_smollm2_chat --config.data.shuffle_seed=1
 
+A third round adds the answers to the rest of those requests (the same command
+with --limit=0 resumes after the first 600; 245 were written before the run
+stopped) and continues from the second round:
+
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --batch-size=32 --kinds=writes --limit=0 \
+      --instructions=data/pycode_small_instructions/train.jsonl --out=data/a2d_chat/pycode_writes.jsonl
+  mkdir -p data/a2d_chat3 && cp data/a2d_chat/heldout.jsonl data/a2d_chat3/
+  cat data/a2d_chat/train.jsonl <(tail -n +408 data/a2d_chat/pycode_writes.jsonl) > data/a2d_chat3/train.jsonl
+  python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat3 \
+      --config.train.init_from=runs/a2d_smollm2_chat2 --config.data.corpus=data/a2d_chat3 \
+      --config.data.shuffle_seed=2 --config.train.eval_every=50
+
 Each answer is the base's own greedy text, so the base is sure of each of its
 tokens: the adapters can learn to be sure of several at once, which is what
 tokens per pass need, and the distillation term pulls every masked token to
