@@ -102,14 +102,24 @@ def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32")
   work and prefills included) beside the memory-bandwidth bound of the bytes
   a pass reads (`bench.bound`), the bandwidth measured now. A pass attends to
   the prompt and, on average, half the answer."""
+  import dataclasses
+  import jax
   from mdlm_jax.bench import bound
-  from mdlm_jax.model.spec import for_decoding
+  from mdlm_jax.model.transformer import convert_weight_layout, quantize_for_decoding
   from mdlm_jax.server import chat_template
   bandwidth = bound.read_bandwidth()
-  # the bytes of the weights the passes read: the decoding copy (int8 with --decode-dtype int8)
-  weights = {"base": bound.weight_bytes(for_decoding(base, decode_dtype=decode_dtype).params, base.spec.cfg),
-             "adapted": bound.weight_bytes(for_decoding(adapted, decode_dtype=decode_dtype).params,
-                                           adapted.spec.cfg)}
+
+  def decoding_bytes(model) -> int:
+    """The bytes of the weights its passes read: the decoding copy's, from
+    its shapes alone (int8 with --decode-dtype int8; a float32 layout change
+    keeps the bytes)."""
+    params, cfg = model.params, model.spec.cfg
+    if decode_dtype == "int8":
+      out_in = dataclasses.replace(cfg, weight_layout="out_in")
+      params = jax.eval_shape(lambda p: quantize_for_decoding(convert_weight_layout(p, cfg, "out_in"), out_in),
+                              params)
+    return bound.weight_bytes(params, cfg)
+  weights = {"base": decoding_bytes(base), "adapted": decoding_bytes(adapted)}
   prompts = [chat_template.render([{"role": "user", "content": t.request}], adapted.chat_template,
                                   adapted.tokenizer)[0] for t in tasks]
   prompt_tokens = float(np.mean([len(adapted.tokenizer.encode(p)) for p in prompts]))

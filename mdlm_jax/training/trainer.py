@@ -332,7 +332,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     else:  # only what the init model lacks (adapters) is initialised
       params = init_from_weights(init, spec, config.train.init_from,
                                  fresh=lambda names: init_params(spec, config.seed, only=names))
-    if init is not None:
       log(f"initialised from {config.train.init_from} (step {init.step})")
       del init
     weights = {"params": params}
