@@ -36,6 +36,7 @@ from mdlm_jax.model.spec import decoding_pair, next_token_view
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.engine.requests import ContextLengthExceeded, EngineClosed, Event, QueueFull, Request
 from mdlm_jax.engine.handle import Handle
+from mdlm_jax.engine.publishing import Snapshot, events_for
 from mdlm_jax.engine.scheduling import (MIN_PREFILL_CHUNK, admit_groups, admit_sizes, pass_size, prompt_bucket,
                                         ride_with_head)
 from mdlm_jax.engine.turns import Turn, decode as decode_turn, encode as encode_turn
@@ -43,8 +44,7 @@ from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling import grammar as grammar_lib
 from mdlm_jax.sampling import presets, rule
-from mdlm_jax.sampling.finish import finish, tokens_for_text
-from mdlm_jax.sampling.generate import MASK_TEXT, draft_text
+from mdlm_jax.sampling.generate import MASK_TEXT
 from mdlm_jax.sampling.samplers import RULES, ConfidenceSampler
 
 
@@ -652,12 +652,7 @@ class Engine:
     if guided:
       self._guided_view = tuple(out[9:12])
     lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
-    gen, block, active, passes, head, revise, filled, ahead, n_ahead = out[:9]
-    kept = np.where(revise, filled, block * self.sc.block_size)  # tokens kept in order
-    # A revising row's draft shows what it sends ahead: the base's next token and the drafts offered.
-    ahead = np.where((np.arange(self.sc.block_size)[None] <= n_ahead[:, None]) & revise[:, None], ahead,
-                     self.sc.mask_id)
-    return gen, kept, active, passes, head, ahead, lp
+    return Snapshot.of_slots(*out[:9], block_size=self.sc.block_size, mask_id=self.sc.mask_id, logprobs=lp)
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
@@ -680,57 +675,23 @@ class Engine:
     h._push(ev)
     self.stats["finished"] += 1
 
-  def _publish(self, arrays) -> None:
-    gen, kept, active, passes, head, ahead, logprobs = arrays
-    self._head = head & active
+  def _publish(self, snap: Snapshot) -> None:
+    self._head = snap.head & snap.active
     for row, h in enumerate(self._slots):
       if h is None or h.prefilling:
         continue
-      if not h.want_drafts and active[row] and int(kept[row]) == h.kept_seen:
-        continue  # nothing kept since the last pass: no new text, no end
-      h.kept_seen = int(kept[row])
-      r = h.request
-      ids = gen[row, :r.max_tokens]
-      end = finish(self.tok, ids[:int(kept[row])], max_tokens=r.max_tokens, stop=r.stop,
-                   final=not active[row])
-      text, done = end.text, end.done
-      if h.want_drafts:
-        # Every committed token shows in a draft, held-back text included; a
-        # revising row's drafts too, until the base takes them back.
-        shown = ids
-        if r.sampler.revises and not done:
-          n = int(kept[row])
-          shown = ids.copy()
-          shown[n:n + self.sc.block_size] = ahead[row][:len(shown[n:n + self.sc.block_size])]
-        draft = text if done else draft_text(self.tok, shown)
-        h._push(Event("draft", draft, passes=int(passes[row])))
-      # `finish` holds back what a later block could still change (a split
-      # character, the start of a stop string): the rest is sent once.
-      if len(text) > len(h.emitted) and text.startswith(h.emitted):
-        entries = None
-        if r.logprobs is not None:  # the tokens the text covers: only a request with logprobs needs them
-          covered = len(end.tokens) if done else _tokens_within(self.tok, end.tokens, len(text))
-          entries = h.logprob_entries(gen[row], row, logprobs, covered)
-        h._push(Event("delta", text[len(h.emitted):], passes=int(passes[row]), logprobs=entries))
-        h.emitted = text
-      if done:
-        if active[row]:
+      events, done = events_for(h, row, snap, self.tok, self.sc.block_size)
+      for ev in events:
+        h._push(ev)
+      if done is not None:
+        if snap.active[row]:
           self._release_next.append(row)
-        self._release(row, Event("done", h.emitted, end.reason, completion_tokens=len(end.tokens),
-                                 passes=int(passes[row]),
-                                 logprobs=h.logprob_entries(gen[row], row, logprobs, len(end.tokens))))
+        self._release(row, done)
 
 
 def _request_key(seed: int) -> np.ndarray:
   """A request's PRNG key data, from its seed."""
   return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
-
-
-def _tokens_within(tok, ids, n_chars: int) -> int:
-  """How many leading tokens of `ids` decode to at most `n_chars` characters
-  (a token whose text a held-back tail splits waits for the next event)."""
-  m = tokens_for_text(tok, ids, n_chars + 1)
-  return m - 1 if len(tok.decode(list(ids[:m]))) > n_chars else m
 
 
 def _row_sharding(mesh, x: Any, num_slots: int):
