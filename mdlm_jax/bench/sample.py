@@ -40,6 +40,9 @@ def parse(argv):
   p.add_argument("--num-prompts", type=int, default=8, help="validation prompts (batch 1 runs use each)")
   p.add_argument("--efforts", default="instant,low,medium,high")
   p.add_argument("--skip-100m", action="store_true", help="skip the 100M-parameter memory-bound shape")
+  p.add_argument("--cached-blocks", action="store_true",
+                 help="a model trained on whole sequences: also run each effort in cached blocks (rows"
+                      " '<effort>_cached'), the approximation that ignores the masked blocks to the right")
   p.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement; the fastest counts")
   p.add_argument("--presence-penalty", type=float, default=0.0,
                  help="OpenAI's presence penalty for every setting, the AR twin's included")
@@ -329,6 +332,10 @@ def main(argv):
     if mdlm.tokenizer.to_bytes() != ar.tokenizer.to_bytes():
       raise ValueError("the diffusion checkpoint and the AR twin use different tokenizers")
     examples = validation_examples(mdlm, a.num_prompts, a.prompt_tokens, a.new_tokens)
+    if a.cached_blocks and mdlm.config.diffusion.block_size > 0:
+      raise ValueError(f"--cached-blocks compares exact and cached decoding of a model trained on whole"
+                       f" sequences; this one is a BD3-LM model (blocks of {mdlm.config.diffusion.block_size}),"
+                       f" which cached blocks decode exactly")
   except cli.USER_ERRORS as e:
     cli.fail("bench sample", e)
   prompts = [p for p, _ in examples]
@@ -343,13 +350,15 @@ def main(argv):
   print(f"held-out continuations: {json.dumps(result['reference'])}", file=sys.stderr, flush=True)
   for batch in a.batch_sizes:
     rows = {}
-    for effort in a.efforts:
+    for effort, cached in [(e, c) for e in a.efforts for c in ((False, True) if a.cached_blocks else (None,))]:
+      extra = {} if cached is None else {"kv_cache": cached}
       sampler = presets.for_model(effort, block, presence_penalty=a.presence_penalty,  # what the effort means
                                   frequency_penalty=a.frequency_penalty,  # everywhere
-                                  in_order=mdlm.spec.cfg.clean_causal)
+                                  in_order=mdlm.spec.cfg.clean_causal, **extra)
       timed = run_setting(dgen, prompts, batch, a.new_tokens, sampler, scorer, repeats=a.repeats)
-      rows[effort] = {"sampler": repr(sampler), **timed}
-      print(f"batch {batch} {effort}: {json.dumps(rows[effort])}", file=sys.stderr, flush=True)
+      name = effort + ("_cached" if cached else "")
+      rows[name] = {"sampler": repr(sampler), **timed}
+      print(f"batch {batch} {name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)
     ar_sampler = ARSampler(a.new_tokens, temperature=0.0, presence_penalty=a.presence_penalty,
                            frequency_penalty=a.frequency_penalty)
     for layout, agen in agens.items():

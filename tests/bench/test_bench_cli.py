@@ -62,11 +62,14 @@ def test_bench_agent(tiny_checkpoints, tmp_path):
 def test_bench_sample(tiny_checkpoints, tmp_path):
   out = _bench("sample", f"--mdlm={tiny_checkpoints['mdlm']}", f"--ar={tiny_checkpoints['ar']}", "--skip-100m",
                "--num-prompts=1", "--batch-sizes=1", "--efforts=medium", "--repeats=2", "--new-tokens=16",
-               "--prompt-tokens=16", tmp_path=tmp_path)
+               "--prompt-tokens=16", "--cached-blocks", tmp_path=tmp_path)
   rows = out["batches"]["1"]
   assert out["repeats"] == 2
   assert out["reference"]["gen_ppl"] > 1 and 0 <= out["reference"]["parse_rate"] <= 1
-  assert set(rows) == {"medium", "ar", "ar_in_out", "ar_out_in"} and rows["ar"]["tokens_per_forward"] <= 1.0
+  assert set(rows) == {"medium", "medium_cached", "ar", "ar_in_out", "ar_out_in"}
+  assert rows["ar"]["tokens_per_forward"] <= 1.0
+  # A whole-sequence model: exact full-canvas passes, and the cached approximation beside them.
+  assert "kv_cache=False" in rows["medium"]["sampler"] and "kv_cache=True" in rows["medium_cached"]["sampler"]
   # The baseline is the AR twin's faster layout, and both layouts write the same text.
   layout = rows["ar"]["weight_layout"]
   assert rows["ar"]["tokens_per_s"] == max(rows["ar_in_out"]["tokens_per_s"], rows["ar_out_in"]["tokens_per_s"])
