@@ -42,6 +42,10 @@ def parse(argv):
                  help="an AR model adapted to diffusion: keep drafts only where the base's own causal pass agrees"
                       " (the base's text, drafted ahead; --threshold picks the drafts offered). Default: as the"
                       " effort has it (medium and high revise a prompt's answer)")
+  p.add_argument("--agreement", type=float, default=None,
+                 help="with revision: also keep a draft the base finds at least this share as likely as its best"
+                      " token (in (0, 1]; 1: the base's text exactly; lower: more tokens a pass, text near the"
+                      " base's)")
   p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
                  help="cached blocks (default for BD3-LM models, exact for them) or full-canvas passes (default for"
                       " models trained on whole sequences, exact for them; cached blocks ignore the masked blocks"
@@ -126,11 +130,12 @@ def main(argv=None):
     loaded = checkpoints.load(a.checkpoint or packaged.path())
     gen = generator_for(loaded, decode_dtype=a.decode_dtype)
     if loaded.spec.cfg.causal:
-      diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths, a.revise)
+      diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths, a.revise,
+                        a.agreement)
       if a.show_steps or a.kv_cache is not None or any(v is not None for v in diffusion_only):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
-                         " --block-size, --threshold, --min-tokens, --revise and --[no-]kv-cache apply to diffusion"
-                         " models only")
+                         " --block-size, --threshold, --min-tokens, --revise, --agreement and --[no-]kv-cache apply to"
+                         " diffusion models only")
       sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0,
                           top_p=1.0 if a.top_p is None else a.top_p, presence_penalty=a.presence_penalty or 0.0,
                           frequency_penalty=a.frequency_penalty or 0.0, logit_bias=a.logit_bias)
@@ -140,7 +145,8 @@ def main(argv=None):
                                     in_order=loaded.spec.cfg.clean_causal, revisable=a.suffix is None,
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
-                                    kv_cache=a.kv_cache, revise=a.revise, presence_penalty=a.presence_penalty,
+                                    kv_cache=a.kv_cache, revise=a.revise, agreement=a.agreement,
+                                    presence_penalty=a.presence_penalty,
                                     frequency_penalty=a.frequency_penalty, logit_bias=a.logit_bias or None)
       except ValueError as e:  # the sampler names its field; the user typed the flag
         raise ValueError(re.sub(r"^(\w+) must", lambda m: f"--{m.group(1).replace('_', '-')} must", str(e))) from e

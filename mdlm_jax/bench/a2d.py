@@ -1,6 +1,7 @@
 """An AR model adapted to diffusion against its base, in one sitting:
 
-  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--revise-thresholds 0.3] [--limit N]
+  python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--revise-thresholds 0.3]
+      [--agreements 1,0.5] [--limit N]
       [--code-prompts 8] [--json] [--out F.json] [--png F.png]
 
 Every figure of the adapted model (default: the packaged one) is set beside
@@ -15,7 +16,9 @@ the same prompts, on this machine, at batch 1:
 - the speed ratio to the base at each effort;
 - revision (`revise`: drafts kept only where the base's causal pass agrees,
   so the text is the base's own) at each of --revise-thresholds, the least
-  sure a draft may be to be offered; `--png` plots both curves;
+  sure a draft may be to be offered, and at each of --agreements (below 1:
+  drafts the base rates near its best are kept too, lossy); `--png` plots
+  both curves;
 - each setting's mean pass time beside the memory-bandwidth bound of the
   bytes it reads (`bench.bound`: weights and KV cache over a bandwidth
   measured in the same run: a large array read once), and the fraction of
@@ -42,6 +45,9 @@ def parse(argv):
   p.add_argument("--revise-thresholds", default=str(DRAFT_THRESHOLD),
                  help="comma-separated: revision (drafts kept only where the base agrees) with the drafts offered"
                       " from each of these sure ('' to skip)")
+  p.add_argument("--agreements", default="1",
+                 help="comma-separated: each revision setting again at each of these agreements (below 1: drafts"
+                      " the base rates at least that share as likely as its best are kept too; 1: its own text)")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -60,6 +66,12 @@ def parse(argv):
     p.error(f"--revise-thresholds must be comma-separated numbers, got {a.revise_thresholds!r}")
   if any(not 0 <= t <= 1 for t in a.revise_thresholds):
     p.error("--revise-thresholds must be in [0, 1]")
+  try:
+    a.agreements = [float(x) for x in a.agreements.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--agreements must be comma-separated numbers, got {a.agreements!r}")
+  if not a.agreements or any(not 0 < x <= 1 for x in a.agreements):
+    p.error("--agreements must be in (0, 1]")
   if not a.efforts or any(e not in EFFORTS for e in a.efforts):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
   if a.limit < 0 or a.code_prompts < 0 or min(a.answer_tokens, a.prompt_tokens, a.new_tokens) < 1:
@@ -175,7 +187,8 @@ def main(argv=None):
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
-  settings.update({f"{t:g}+revise": {"revise": True, "threshold": t} for t in a.revise_thresholds})
+  settings.update({revision_name(t, g): {"revise": True, "threshold": t, "agreement": g}
+                   for t in a.revise_thresholds for g in a.agreements})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
@@ -206,10 +219,15 @@ def main(argv=None):
   finish(result, a, plot)
 
 
+def revision_name(threshold: float, agreement: float) -> str:
+  """A revision setting's row: its draft threshold, and its agreement where below 1."""
+  return f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
+
+
 def _effort(name: str) -> str:
   """The effort a setting's name decodes with: its own, or for revision the default's."""
   from mdlm_jax.sampling.presets import DEFAULT_EFFORT
-  return DEFAULT_EFFORT if name.endswith("+revise") else name
+  return DEFAULT_EFFORT if "+revise" in name else name
 
 
 def plot(result: dict, path: str) -> None:
@@ -229,11 +247,11 @@ def plot(result: dict, path: str) -> None:
       ax.set_visible(False)
       continue
     for label, revising, style in (("blocks", False, "o-"), ("revision", True, "s-")):
-      names = [n for n in rows if n != "base" and n.endswith("+revise") == revising]
+      names = [n for n in rows if n != "base" and ("+revise" in n) == revising]
       if names:
         ax.plot([rows[n][x] for n in names], [rows[n][y] for n in names], style, label=label)
         for n in names:
-          ax.annotate(n.split("+")[0] if revising else n, (rows[n][x], rows[n][y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+          ax.annotate(n.replace("+revise", "") if revising else n, (rows[n][x], rows[n][y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.plot([rows["base"][x]], [rows["base"][y]], "k*", markersize=12, label="AR base")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

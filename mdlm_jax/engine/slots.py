@@ -259,7 +259,8 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     if logprobs:  # of the head's own tokens (a draw's is its proposal's only where nothing moved the logits)
       lsm = jax.nn.log_softmax(rule.exclude(logits[:, :bs], sc.never_proposed), axis=-1)
       kept_logp = jnp.take_along_axis(lsm, s.ahead[..., None], axis=-1)[..., 0]
-    verifying = (x0[:, :bs], kept_logp, None if top is None else tuple(x[:, :bs] for x in top))
+    odds = rule.draft_odds(logits[:, :bs], s.ahead, sc.never_proposed)
+    verifying = (x0[:, :bs], odds, kept_logp, None if top is None else tuple(x[:, :bs] for x in top))
     x0, conf = x0[:, bs:], conf[:, bs:]
     top = None if top is None else tuple(x[:, bs:] for x in top)
   candidates = (tail == sc.mask_id) & moving[:, None]
@@ -283,15 +284,15 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   return s
 
 
-def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_conf, base_x0, kept_logp, base_top,
-            logprobs: bool) -> Slots:
+def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_conf, base_x0, odds, kept_logp,
+            base_top, logprobs: bool) -> Slots:
   """A revising pass's results: the verified head tokens of `rev` rows are
   kept (the cache of every row is committed here: the block rows' finished
   blocks too), and the next head is the base's token and the tail's drafts."""
   bs = sc.block_size
   lane = jnp.arange(bs, dtype=jnp.int32)[None]
   v = rule.verify(s.ahead, s.n_ahead, base_x0, tail_x0, tail_conf, s.decoding.threshold, sc.eos_id,
-                  jnp.where(rev, s.n_blocks * bs - s.filled, 0))
+                  jnp.where(rev, s.n_blocks * bs - s.filled, 0), odds, s.decoding.agreement)
   rows = jnp.arange(s.gen.shape[0])[:, None]
   cols = s.filled[:, None] + lane
   kept = rev[:, None] & (lane < v.keep[:, None])

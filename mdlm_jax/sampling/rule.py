@@ -12,7 +12,9 @@
    low-confidence remasking is threshold never, `steps` passes a block;
 3. revise (`revise`, an AR model adapted to diffusion only): drafts are
    kept only while the base's own causal pass proposes them too (`verify`),
-   so the text is the base's and the drafts buy speed;
+   so the text is the base's and the drafts buy speed; with `agreement`
+   below 1, also while the base finds a draft at least that share as
+   likely as its own choice (lossy: text near the base's, more speed);
 4. constrain (rows under a grammar only): `allow` masks the logits at the
    row's first undecided column to what the grammar allows there, and the
    host commits the longest grammatical prefix (`sampling.grammar`).
@@ -60,6 +62,7 @@ class Decoding:
   min_tokens: Int[Array, "b"]
   in_order: Bool[Array, "b"]  # the floor's tokens are the leftmost undecided, not the most confident
   revise: Bool[Array, "b"]  # drafts kept only where the base agrees (`verify`)
+  agreement: Float[Array, "b"]  # with revise: the least p(draft) / p(base's best) kept (1: its choice only)
   steps: Int[Array, "b"]  # > 0: a block ends after this many passes, its floor spread evenly over them (`floor`)
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
@@ -72,11 +75,11 @@ class Decoding:
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False,
-                revise: bool = False, steps: int = 0) -> "Decoding":
+                revise: bool = False, agreement: float = 1.0, steps: int = 0) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
     ids, values = bias_arrays(logit_bias)
     return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool), full(revise, bool),
-               full(steps, np.int32), full(temperature, np.float32),
+               full(agreement, np.float32), full(steps, np.int32), full(temperature, np.float32),
                full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
 
@@ -242,8 +245,18 @@ class Verified:
   n_ahead: Int[Array, "b"]  # drafts offered in it
 
 
+def draft_odds(logits: Float[Array, "b t v"], head: Int[Array, "b t"], never: tuple[int, ...]) -> Float[Array, "b t"]:
+  """log p(head token) - log p(most likely token) at each head column, under
+  the (moved) logits at temperature 1, `never` excluded: how far a draft is
+  from the base's own first choice (0 where it is that choice)."""
+  logits = exclude(logits, tuple(never))
+  at = jnp.take_along_axis(logits, head[..., None], axis=-1)[..., 0]
+  return (at - jnp.max(logits, axis=-1)).astype(jnp.float32)
+
+
 def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, "b t"], tail: Int[Array, "b t"],
-           tail_conf: Float[Array, "b t"], threshold, eos_id: int, room: Int[Array, "b"]) -> Verified:
+           tail_conf: Float[Array, "b t"], threshold, eos_id: int, room: Int[Array, "b"],
+           odds: Float[Array, "b t"] | None = None, agreement=1.0) -> Verified:
   """Revision by the base (an AR model adapted to diffusion). `head` is the
   base's next token and `n_drafts` drafts after it, run through the base's
   causal stream: `base[:, i]` is the base's proposal for head column i given
@@ -255,10 +268,20 @@ def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, 
   kept text: the output is the base's decoding, drafts set only the speed.
   A pass keeps at least one token (`room` permitting: 0 for a finished row),
   nothing after EOS. `n_drafts` -1: the head is empty (a row's first pass
-  after its prompt), the tail starts the text."""
+  after its prompt), the tail starts the text.
+
+  `agreement` < 1 ([B] array or scalar; `odds` from `draft_odds`): a draft
+  the base did not choose is kept too when the base finds it at least that
+  share as likely as its most likely token. The text is then no longer the
+  base's, but every kept token is one the base rates close to its best."""
   t = head.shape[1]
   lane = jnp.arange(t, dtype=jnp.int32)[None, :]
-  holds = (head[:, 1:] == base[:, 1:]) & (lane[:, 1:] <= n_drafts[:, None])
+  agrees = head[:, 1:] == base[:, 1:]
+  if odds is not None:
+    agreement = jnp.asarray(agreement, jnp.float32)[..., None]
+    near = (agreement < 1.0) & (odds[:, 1:] >= jnp.log(jnp.maximum(agreement, 1e-30)))
+    agrees = agrees | near
+  holds = agrees & (lane[:, 1:] <= n_drafts[:, None])
   held = jnp.sum(jnp.cumprod(holds, axis=1), axis=1).astype(jnp.int32)
   empty = n_drafts < 0
   keep = jnp.where(empty, 0, 1 + held)
@@ -330,5 +353,5 @@ def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0
 
 
 __all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
-           "commit", "floor", "noise_words", "offer", "pass_keys", "penalize", "picks", "propose", "rank_desc",
+           "commit", "draft_odds", "floor", "noise_words", "offer", "pass_keys", "penalize", "picks", "propose", "rank_desc",
            "row_keys", "token_counts", "verify", "Verified"]

@@ -116,7 +116,7 @@ class ConfidenceSampler(abc.ABC):
     """The rule's settings as `rule.check` and `rule.Decoding.broadcast` take them."""
 
   def _order_fields(self) -> dict:
-    """in_order and revise where the rule has them (`rule.Decoding`)."""
+    """in_order and the revision settings where the rule has them (`rule.Decoding`)."""
     return {}
 
   @property
@@ -139,6 +139,11 @@ class ConfidenceSampler(abc.ABC):
     return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
   def _propose(self, logits, keys, columns, lay: Layout, tokens, valid):
+    logits = self._moved(logits, lay, tokens, valid)
+    return rule.propose(logits, keys, columns, lay.never_proposed, self.temperature, self.top_p)
+
+  def _moved(self, logits, lay: Layout, tokens, valid):
+    """The logits after the request's logit moves (as they were, untouched, without any)."""
     if self.moves_logits:
       logits = logits.logits() if isinstance(logits, kernels.HeadInput) else logits
       v = logits.shape[-1]
@@ -148,7 +153,7 @@ class ConfidenceSampler(abc.ABC):
       ids, bias = rule.bias_arrays(self.logit_bias)
       logits = rule.penalize(logits, rule.token_counts(tokens, counted, v), self.presence_penalty,
                              self.frequency_penalty, ids[None], bias[None])
-    return rule.propose(logits, keys, columns, lay.never_proposed, self.temperature, self.top_p)
+    return logits
 
   @property
   def is_block_causal(self) -> bool:
@@ -334,6 +339,10 @@ class ThresholdSampler(ConfidenceSampler):
   # while the base's own causal pass proposes them too (`rule.verify`); the
   # text is the base's, and `threshold` says which drafts are worth offering.
   revise: bool = False
+  # With revise: below 1, a draft the base did not choose is kept too where
+  # the base finds it at least this share as likely as its best token
+  # (`rule.verify`): more tokens a pass, text near the base's but not its own.
+  agreement: float = 1.0
 
   def __post_init__(self):
     super().__post_init__()
@@ -341,6 +350,10 @@ class ThresholdSampler(ConfidenceSampler):
       raise ValueError("revise decodes against a KV cache (kv_cache=True) in blocks of at least 2, from"
                        f" materialised logits (fused_head=False); got kv_cache={self.kv_cache},"
                        f" block_size={self.block_size}, fused_head={self.fused_head}")
+    if not 0.0 < self.agreement <= 1.0:
+      raise ValueError(f"agreement must be in (0, 1], got {self.agreement}")
+    if self.agreement < 1.0 and not self.revise:
+      raise ValueError(f"agreement={self.agreement} sets how revision verifies drafts: it needs revise=True")
 
   def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     if self.revise:
@@ -382,9 +395,11 @@ class ThresholdSampler(ConfidenceSampler):
       blank = jnp.full((B, bs), lay.mask_id, jnp.int32)
       logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"], lane <= n_ok[:, None])
       columns = jnp.concatenate([f[:, None] + lane, (f + n_ok + 1)[:, None] + lane], 1)
-      x0, conf = self._propose(logits, pass_keys, columns, lay, s["tokens"], valid)
+      logits = self._moved(logits, lay, s["tokens"], valid)
+      x0, conf = rule.propose(logits, pass_keys, columns, lay.never_proposed, self.temperature, self.top_p)
+      odds = rule.draft_odds(logits[:, :bs], head, lay.never_proposed) if self.agreement < 1.0 else None
       v = rule.verify(head, n_ok, x0[:, :bs], x0[:, bs:], conf[:, bs:], self.threshold, lay.eos_id,
-                      jnp.where(s["done"], 0, gl - f))
+                      jnp.where(s["done"], 0, gl - f), odds, self.agreement)
       cols = gs + f[:, None] + lane
       kept = lane < v.keep[:, None]
       toks = s["tokens"].at[rows, cols].set(jnp.where(kept, head, s["tokens"][rows, jnp.minimum(cols, L - 1)]),
@@ -406,7 +421,7 @@ class ThresholdSampler(ConfidenceSampler):
     return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
 
   def _order_fields(self) -> dict:
-    return {"in_order": self.in_order, "revise": self.revise}
+    return {"in_order": self.in_order, "revise": self.revise, "agreement": self.agreement}
 
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len

@@ -76,3 +76,11 @@ def test_drafts_show_what_a_revising_row_sends_ahead_and_a_taken_back_token_chan
   def revised(prev, cur):
     return any(p != MASK_TEXT and c != MASK_TEXT and p != c for p, c in zip(prev, cur))
   assert any(revised(a, b) for a, b in zip(drafts, drafts[1:]))
+
+
+def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
+  """Lossy verification (drafts the base rates near its best are kept too) in the slots, as one-shot."""
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, agreement=0.4)
+  h = engine.submit(Request(engine.encode(PROMPTS[1]), 12, sampler, seed=1))
+  want = Generator(models[1]).generate([PROMPTS[1]], max_new_tokens=12, seed=1, sampler=sampler).completions[0]
+  assert h.result(timeout=300).text == want.text

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from mdlm_jax import checkpoints
+from mdlm_jax.data.tokenizer import never_generated
+from mdlm_jax.model.spec import bind
 from mdlm_jax.sampling.ar import ARSampler
 from mdlm_jax.sampling.generate import ARGenerator, Generator
 from mdlm_jax.sampling.samplers import Layout, ThresholdSampler
@@ -53,14 +55,14 @@ def revising(block_size=4, threshold=0.5, **kw):
   return ThresholdSampler(**{"block_size": block_size, "threshold": threshold, "kv_cache": True, "revise": True, **kw})
 
 
-def _decode(text, wrong, block_size, gen_len=None, threshold=0.5):
+def _decode(text, wrong, block_size, gen_len=None, threshold=0.5, **kw):
   gen_len = gen_len or len(text)
   gs = 2
   tokens = jnp.concatenate([jnp.array([[1, 2]]), jnp.full((1, gen_len), MASK)], 1)
   lay = Layout(gen_start=gs, gen_len=gen_len, mask_id=MASK, eos_id=EOS)
   oracle = Oracle(text, wrong, gs)
-  out = revising(block_size, threshold).run(oracle, tokens, jnp.ones_like(tokens, bool),
-                                                      jnp.zeros((1, 2), jnp.uint32), lay)
+  out = revising(block_size, threshold, **kw).run(oracle, tokens, jnp.ones_like(tokens, bool),
+                                                  jnp.zeros((1, 2), jnp.uint32), lay)
   return np.asarray(out["tokens"][0, gs:]), int(out["nfe"])
 
 
@@ -98,10 +100,49 @@ def test_drafts_below_the_threshold_are_not_offered():
   assert nfe == 1 + len(text)
 
 
+# The oracle's base gives its token logit 5 and the other V - 2 allowed tokens 0: a wrong draft is
+# exp(-5) = 0.0067 as likely as the base's choice.
+@pytest.mark.parametrize("agreement, kept_wrong", [(1.0, False), (0.01, False), (0.006, True)])
+def test_agreement_keeps_a_draft_the_base_rates_close_enough(agreement, kept_wrong):
+  text = np.random.default_rng().integers(0, 8, 12)
+  out, nfe = _decode(text, (2,), 4, agreement=agreement)
+  want = text.copy()
+  if kept_wrong:  # the draft at 2 stays, and with it every pass keeps a whole block
+    want[2] = (text[2] + 1) % (V - 2)
+  np.testing.assert_array_equal(out, want)
+  assert nfe == (4 if kept_wrong else 6)
+
+
 def test_settings_that_cannot_work_are_refused():
   for bad in ({"block_size": 1}, {"kv_cache": False}, {"fused_head": True}):
     with pytest.raises(ValueError, match="revise decodes against a KV cache"):
       revising(**bad)
+  for bad in (0.0, 1.5):
+    with pytest.raises(ValueError, match="agreement must be in"):
+      revising(agreement=bad)
+  with pytest.raises(ValueError, match="needs revise=True"):
+    ThresholdSampler(agreement=0.5)
+
+
+def test_with_agreement_every_kept_token_is_one_the_base_rates_near_its_best(tiny_checkpoints):
+  """Checked against the AR base's own full forward pass over each answer, in float64."""
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  adapted = adapted_from(ar, block_size=4)
+  prompts, n = ["def add(a, b):\n", "x = 1\ny"], 24
+  agreement = float(10 ** np.random.default_rng().uniform(-3, -2))  # this base is sure: its runner-up is far
+  gen = Generator(adapted)
+  exact = gen.generate(prompts, max_new_tokens=n, sampler=revising(4, threshold=0.0))  # every draft offered
+  near = gen.generate(prompts, max_new_tokens=n, sampler=revising(4, threshold=0.0, agreement=agreement))
+  assert near.forward_passes < exact.forward_passes  # the random adapters' drafts: kept only when not exact
+  model = bind(ar.spec, ar.params)
+  for prompt, c in zip(prompts, near.completions):
+    ids = list(gen.encode_prompt(prompt)) + list(c.tokens)
+    logits = np.asarray(model(np.asarray([ids], np.int32), None), np.float64)[0]
+    logits[:, [i for i in never_generated(adapted.tokenizer) if i < logits.shape[1]]] = -np.inf
+    start = len(ids) - len(c.tokens)
+    for j, tok in enumerate(c.tokens):
+      row = logits[start + j - 1]
+      assert row[tok] - row.max() >= np.log(agreement) - 1e-3, (j, tok)
 
 
 @pytest.mark.parametrize("block_size", [pytest.param(2, marks=pytest.mark.slow), 4])
