@@ -264,6 +264,11 @@ class Engine:
     return self._programs_for(token_rows)[0].spec.cfg.weight_layout
 
   @property
+  def cache_buffer_bytes(self) -> int:
+    """The bytes the slots' key and value buffers hold (`kv_cache_bytes` is the promise)."""
+    return self._state.cache.k.nbytes + self._state.cache.v.nbytes
+
+  @property
   def cache_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the slots' key and value buffers."""
     return tuple(self._state.cache.k.shape), tuple(self._state.cache.v.shape)

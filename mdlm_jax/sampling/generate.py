@@ -88,6 +88,10 @@ class Generator:
     self.fim = fim.format_for(loaded.config, self.tok)  # infill in the FIM format a checkpoint was trained with
     self._on_step = None  # the current call's draft handler (see `stream`)
 
+  def weight_layout_for(self, token_rows: int) -> str:
+    """The weight layout a call reads whose passes carry this many token rows."""
+    return (self._many if token_rows > FEW_ROWS else self._few).spec.cfg.weight_layout
+
   def _emit(self, step, tokens):
     """The one host callback compiled into streaming programs; it forwards to
     the current call's handler, so streaming calls reuse one compilation."""

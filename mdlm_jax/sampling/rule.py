@@ -353,5 +353,5 @@ def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0
 
 
 __all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
-           "commit", "draft_odds", "floor", "noise_words", "offer", "pass_keys", "penalize", "picks", "propose", "rank_desc",
-           "row_keys", "token_counts", "verify", "Verified"]
+           "commit", "draft_odds", "floor", "noise_words", "offer", "pass_keys", "penalize", "picks", "propose",
+           "rank_desc", "row_keys", "token_counts", "verify", "Verified"]

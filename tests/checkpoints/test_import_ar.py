@@ -355,11 +355,11 @@ def test_a_gguf_model_is_served_with_its_chat_template(bpe, tmp_path):
   """serve --checkpoint=FILE.gguf: a chat answer equals the AR generator's greedy continuation of the
   prompt its template renders, streamed or not."""
   import openai
-  from tests.server.test_server import _start
+  from tests.server.test_server import start_server
   from mdlm_jax.sampling.ar import ARSampler
   from mdlm_jax.sampling.generate import generator_for
   path = write_gguf(tmp_path / "chat.gguf", hf_model("llama", bpe.get_vocab_size(), seed=8), bpe)
-  proc, base = _start(path, "--model-id=tiny-ar", "--no-warmup", "--slots=2")
+  proc, base = start_server(path, "--model-id=tiny-ar", "--no-warmup", "--slots=2")
   try:
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "def f(x):"}]

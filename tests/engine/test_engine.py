@@ -263,9 +263,9 @@ def test_a_request_is_held_to_the_context_its_slot_reserves(loaded):
   prompt = gen.encode_prompt(PROMPTS[1])
   p = len(prompt)
   e = Engine(loaded, num_slots=2, max_prompt=32, max_new_tokens=24, block_size=8, max_context=p + 24)
-  cache = e._state.cache
-  assert e.kv_cache_bytes == cache.k.nbytes + cache.v.nbytes  # what the slots really hold
-  assert cache.k.nbytes < Engine(loaded, num_slots=2, max_prompt=32, max_new_tokens=24, block_size=8)._state.cache.k.nbytes
+  assert e.kv_cache_bytes == e.cache_buffer_bytes  # what the slots really hold
+  assert e.cache_buffer_bytes < Engine(loaded, num_slots=2, max_prompt=32, max_new_tokens=24,
+                                       block_size=8).cache_buffer_bytes
   e.start()
   try:
     smp = ThresholdSampler(block_size=8, kv_cache=True, threshold=0.9, min_tokens=2)

@@ -7,6 +7,7 @@ import pytest
 
 from mdlm_jax.checkpoints import packaged
 from mdlm_jax import checkpoints
+from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.model.spec import for_decoding, with_weight_layout
 from mdlm_jax.sampling.generate import ARGenerator, Generator
 from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
@@ -50,7 +51,7 @@ def test_generator_picks_the_layout_by_rows_per_pass(diffusion):
   """Default on CPU: the [out, in] copy for few rows per pass, the trained
   layout past FEW_ROWS; the tokens are the same either way."""
   g = Generator(diffusion)
-  assert (g._few.spec.cfg.weight_layout, g._many.spec.cfg.weight_layout) == ("out_in", "in_out")
+  assert (g.weight_layout_for(FEW_ROWS), g.weight_layout_for(FEW_ROWS + 1)) == ("out_in", "in_out")
   sampler = adapt_to_model(sampler_for("medium"), diffusion.config.diffusion.block_size)
   prompts = ["def f(x):\n", "import re\n", "class A:\n", "x = [\n", "# utils\n"]  # 5 x 16 rows > FEW_ROWS
   got = g.generate(prompts, max_new_tokens=16, sampler=sampler)

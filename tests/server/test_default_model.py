@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from mdlm_jax.checkpoints import registry
-from tests.server.test_server import _start
+from tests.server.test_server import start_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not registry.is_cached("smollm2-135m-instruct"),
@@ -23,7 +23,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 @pytest.fixture(scope="module")
 def client():
-  proc, base = _start(None, "--slots=2", "--max-tokens=128", "--max-prompt-tokens=512", "--no-warmup")
+  proc, base = start_server(None, "--slots=2", "--max-tokens=128", "--max-prompt-tokens=512", "--no-warmup")
   yield openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=600)
   proc.kill()
 

@@ -9,7 +9,7 @@ import shutil
 import httpx
 import pytest
 
-from tests.server.test_server import KEY, _start
+from tests.server.test_server import KEY, start_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -17,8 +17,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=2", "--model-id=tiny", "--admit-batch=1",
-                      "--no-warmup")  # compiles what the page uses, on first use
+  proc, base = start_server(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=2", "--model-id=tiny",
+                            "--admit-batch=1", "--no-warmup")  # compiles what the page uses, on first use
   yield base
   proc.kill()
 

@@ -26,7 +26,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(checkpoint, *args, devices=1):
+def start_server(checkpoint, *args, devices=1):
   port = _free_port()
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
   env.pop("MDLM_API_KEY", None)
@@ -51,8 +51,8 @@ def _start(checkpoint, *args, devices=1):
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-  proc, base = _start(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny",
-                      "--admit-batch=1", "--no-warmup")  # batched prefills: tests/engine; compiles on first use
+  proc, base = start_server(tiny_checkpoints["mdlm"], f"--api-key={KEY}", "--slots=4", "--model-id=tiny",
+                            "--admit-batch=1", "--no-warmup")  # batched prefills: tests/engine; compiles on first use
   yield proc, base
   if proc.poll() is None:
     proc.kill()
@@ -346,7 +346,8 @@ def test_disconnect_frees_the_slot(server):
 
 @pytest.mark.slow
 def test_mesh_server_matches_one_device_and_sigterm_exits_cleanly(tiny_checkpoints, client):
-  proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--mesh=data=2,tensor=2", devices=4)
+  proc, base = start_server(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--mesh=data=2,tensor=2",
+                            devices=4)
   try:
     assert httpx.get(base + "/v1/models").status_code == 200  # no --api-key: no Authorization needed
     mesh_client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -621,8 +622,8 @@ def tool_server(tiny_checkpoints):
   """A server whose prompts fit a tools preamble (the tiny tokenizer spends
   some 600 tokens on two tool signatures), without warmup: (base URL, its
   /metrics when it came up)."""
-  proc, base = _start(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--max-prompt-tokens=1024", "--admit-batch=1",
-                      "--max-tokens=128", "--no-warmup")
+  proc, base = start_server(tiny_checkpoints["mdlm"], "--slots=4", "--model-id=tiny", "--max-prompt-tokens=1024",
+                            "--admit-batch=1", "--max-tokens=128", "--no-warmup")
   yield base, httpx.get(base + "/metrics").text
   proc.kill()
 
