@@ -636,8 +636,8 @@ class Engine:
     """Host copies of what a publish reads, from every process's rows (after
     a guided pass also what it proposed for the constrained rows). After a
     logprobs pass, the log-probabilities: on one process left on the device
-    for `_logprobs` to read the rows it needs; with several, gathered (a
-    collective every process runs alike)."""
+    for `Handle.logprob_entries` to read the rows it needs; with several,
+    gathered (a collective every process runs alike)."""
     s = self._state
     arrays = (s.gen, s.block, s.active, s.passes, s.head, s.decoding.revise, s.filled, s.ahead, s.n_ahead)
     if guided:
