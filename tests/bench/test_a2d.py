@@ -25,7 +25,8 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   folder = adapters_over(tiny_checkpoints["ar"], str(tmp_path / "adapted"))
   assert a2d.base_of(folder, checkpoints.load(folder)) == tiny_checkpoints["ar"]
   a2d.main([f"--checkpoint={folder}", f"--cache={cache}", "--limit=2", "--answer-tokens=8", "--efforts=medium",
-            "--code-prompts=2", "--prompt-tokens=16", "--new-tokens=8", "--json", f"--png={tmp_path / 'a2d.png'}"])
+            "--code-prompts=2", "--prompt-tokens=16", "--new-tokens=8", "--agreements=1,0.5", "--json",
+            f"--png={tmp_path / 'a2d.png'}"])
   res = json.loads(capsys.readouterr().out)
   he = res["humaneval_chat"]
   assert he["base"]["tasks"] == he["medium"]["tasks"] == 2
@@ -34,9 +35,17 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   # Revision writes the base's greedy text, so its answers pass exactly where the base's do.
   assert he["0.3+revise"]["passed"] == he["base"]["passed"] and he["0.3+revise"]["tokens_per_pass"] > 0
   assert os.path.getsize(res["png"]) > 0
-  assert set(res["code"]) == {"base", "medium", "0.3+revise"} and 0 <= res["code"]["medium"]["parse_rate"] <= 1
+  assert set(res["code"]) == {"base", "medium", "0.3+revise", "0.3+revise@0.5"}
+  assert 0 <= res["code"]["medium"]["parse_rate"] <= 1 and he["0.3+revise@0.5"]["tasks"] == 2
   b = res["bound"]
   for name in ("base", "medium", "0.3+revise"):
     assert b[name]["pass_s"] == pytest.approx(he[name]["generation_s"] / he[name]["forward_passes"])
     assert 0 < b[name]["fraction_of_bound"] and b[name]["bytes_per_pass"] > b[name]["weight_bytes"] > 0
   assert 0 <= he["medium"]["host_share"] < 1 and "host_share" not in he["base"]
+
+
+def test_bad_agreements_are_refused(capsys):
+  for bad in ("0", "1.5", "x", ""):
+    with pytest.raises(SystemExit):
+      a2d.parse([f"--agreements={bad}"])
+    assert "--agreements" in capsys.readouterr().err
