@@ -64,11 +64,12 @@ class Sampling:
   revise: bool | None = None  # drafts kept only where the base agrees (None: as the effort has it)
   sampler: str | None = None  # a rule of samplers.RULES instead of the effort's threshold rule
   steps: int | None = None  # low_confidence: passes per block
+  agreement: float | None = None  # with revise: drafts the base rates this near its best are kept too
 
   def rule(self) -> dict:
     """The rule's name and settings as `presets.for_model` takes them."""
     return {"sampler": self.sampler, "steps": self.steps, "temperature": self.temperature, "top_p": self.top_p,
-            "revise": self.revise, **self.moves()}
+            "revise": self.revise, "agreement": self.agreement, **self.moves()}
 
   def moves(self) -> dict:
     """The logit moves as sampler settings (`presets.sampler_for` overrides)."""
@@ -150,9 +151,17 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
     if not -2.0 <= penalties[name] <= 2.0:
       raise _bad(name, f"must be in [-2, 2], got {penalties[name]}")
   sampler, steps = parse_rule(body)
+  revise = _get(body, "revise", bool, None)
+  agreement = _get(body, "agreement", (int, float), None)
+  if agreement is not None:
+    agreement = float(agreement)
+    if not 0.0 < agreement <= 1.0:
+      raise _bad("agreement", f"must be in (0, 1], got {agreement}")
+    if agreement < 1.0 and revise is not True:
+      raise _bad("agreement", "sets which drafts revision keeps: it needs revise=true")
   return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user,
-                  logit_bias=parse_logit_bias(body), revise=_get(body, "revise", bool, None), sampler=sampler,
-                  steps=steps, **penalties)
+                  logit_bias=parse_logit_bias(body), revise=revise, sampler=sampler, steps=steps, agreement=agreement,
+                  **penalties)
 
 
 MAX_STEPS = 1024
@@ -369,7 +378,7 @@ def require_object(body: Any) -> dict:
 # (what `extra_body` sends from the official client).
 GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 LOGIT_MOVES = ("presence_penalty", "frequency_penalty", "logit_bias")
-RULE_FIELDS = ("revise", "sampler", "steps")
+RULE_FIELDS = ("revise", "agreement", "sampler", "steps")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
              "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",

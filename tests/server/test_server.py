@@ -216,6 +216,8 @@ REFUSED = [  # (field, value, code): well formed but not implemented, or malform
     ("functions", [], "unsupported_parameter"), ("frobnicate", 1, "unsupported_parameter"),
     ("revise", "yes", "invalid_value"),
     ("revise", True, "invalid_value"),  # this model has no base to check drafts against
+    ("agreement", 0.5, "invalid_value"),  # revision's setting, and revise is not asked for
+    ("agreement", 0, "invalid_value"), ("agreement", "near", "invalid_value"),
     ("sampler", "ancestral", "invalid_value"), ("sampler", 3, "invalid_value"),
     ("steps", 4, "invalid_value"),  # steps belong to sampler=low_confidence
 ]
@@ -782,3 +784,15 @@ def test_sigterm_drains_and_exits_zero(server):
   proc, base = server
   proc.send_signal(signal.SIGTERM)
   assert proc.wait(timeout=60) == 0
+
+
+def test_agreement_reaches_the_requests_sampler():
+  """The field, parsed once, is the sampler's setting (and a turn carries every sampler field:
+  tests/engine/test_turns.py; the slots decode it as one-shot: tests/engine/test_revise.py)."""
+  from mdlm_jax.sampling.presets import for_model
+  from mdlm_jax.server.protocol import Limits, parse_sampling
+  agreement = float(np.random.default_rng().uniform(0.01, 0.99))
+  s = parse_sampling({"prompt": "x", "revise": True, "agreement": agreement}, Limits(), default_max_tokens=8)
+  assert s.agreement == agreement
+  sampler = for_model("medium", 4, in_order=True, **s.rule())
+  assert sampler.revise and sampler.agreement == agreement
