@@ -4,9 +4,9 @@ against its own row of one KV cache (`slots`), with prompts prefilled whole
 or in chunks, grammar-constrained rows and per-token log-probabilities.
 `requests` holds what it is asked and answers, `handle` a submitted request
 as its caller holds it, `scheduling` the turn's decisions (pass sizes, prompt
-buckets, shared prefills), `publishing` what a pass's new state
-means to each caller (drafts, kept text, the end), `turns` one turn as data and its encoding for the
-other processes of a multi-host server."""
+buckets, shared prefills), `publishing` what a pass's new state means to each
+caller (drafts, kept text, the end), `turns` one turn as data and its
+encoding for the other processes of a multi-host server."""
 
 from mdlm_jax.engine.engine import Engine
 from mdlm_jax.engine.handle import Handle
