@@ -251,7 +251,8 @@ def plot(result: dict, path: str) -> None:
       if names:
         ax.plot([rows[n][x] for n in names], [rows[n][y] for n in names], style, label=label)
         for n in names:
-          ax.annotate(n.replace("+revise", "") if revising else n, (rows[n][x], rows[n][y]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+          ax.annotate(n.replace("+revise", "") if revising else n, (rows[n][x], rows[n][y]),
+                      textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.plot([rows["base"][x]], [rows["base"][y]], "k*", markersize=12, label="AR base")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
