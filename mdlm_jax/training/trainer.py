@@ -205,7 +205,8 @@ def init_from_weights(init: LoadedModel, spec: ModelSpec, path: str, fresh=None)
   if added and fresh is not None:
     have_by_name = {jax.tree_util.keystr(k): v for k, v in have}
     fresh_by_name = fresh(frozenset(jax.tree_util.keystr(k) for k in added))
-    leaves = [have_by_name.get(jax.tree_util.keystr(k), fresh_by_name[jax.tree_util.keystr(k)]) for k, _ in want]
+    names = [jax.tree_util.keystr(k) for k, _ in want]
+    leaves = [have_by_name[n] if n in have_by_name else fresh_by_name[n] for n in names]
     full = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(spec.abstract), leaves)
     return init_from_weights(dataclasses.replace(init, params=full), spec, path)
   for k, v in want:
