@@ -118,7 +118,11 @@ def make_train_step(spec: ModelSpec, objective, optimizer, sc: StepConfig):
     new_weights = {"params": params}
     if "ema" in weights:
       d = ema_decay_at(sc.ema_decay, train["step"].astype(jnp.float32))
-      new_weights["ema"] = jax.tree.map(lambda e, p: d * e + (1 - d) * p, weights["ema"], params)
+      # Frozen weights are their own average: carried over exactly, not rounded by d * p + (1 - d) * p.
+      trained_now, frozen_now = partition(params, sc.adapters_only)
+      ema = jax.tree.map(lambda e, p: d * e + (1 - d) * p, partition(weights["ema"], sc.adapters_only)[0],
+                         trained_now)
+      new_weights["ema"] = combine(ema, frozen_now)
     metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads)}
     return new_weights, {"step": train["step"] + 1, "opt_state": opt_state}, metrics
 
