@@ -41,7 +41,8 @@ def parse(argv):
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench a2d", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
   p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
-  p.add_argument("--efforts", default="medium,high", help=f"comma-separated, of {', '.join(EFFORTS)}")
+  p.add_argument("--efforts", default="medium,high",
+                 help=f"comma-separated, of {', '.join(EFFORTS)}, each in blocks ('' to measure revision alone)")
   p.add_argument("--revise-thresholds", default=str(DRAFT_THRESHOLD),
                  help="comma-separated: revision (drafts kept only where the base agrees) with the drafts offered"
                       " from each of these sure ('' to skip)")
@@ -72,8 +73,10 @@ def parse(argv):
     p.error(f"--agreements must be comma-separated numbers, got {a.agreements!r}")
   if not a.agreements or any(not 0 < x <= 1 for x in a.agreements):
     p.error("--agreements must be in (0, 1]")
-  if not a.efforts or any(e not in EFFORTS for e in a.efforts):
+  if any(e not in EFFORTS for e in a.efforts):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
+  if not a.efforts and not a.revise_thresholds:
+    p.error("nothing to measure: --efforts and --revise-thresholds are both empty")
   if a.limit < 0 or a.code_prompts < 0 or min(a.answer_tokens, a.prompt_tokens, a.new_tokens) < 1:
     p.error("--limit and --code-prompts must be >= 0, the token counts >= 1")
   return a

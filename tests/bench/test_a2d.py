@@ -49,3 +49,11 @@ def test_bad_agreements_are_refused(capsys):
     with pytest.raises(SystemExit):
       a2d.parse([f"--agreements={bad}"])
     assert "--agreements" in capsys.readouterr().err
+
+
+def test_revision_alone_is_a_setting_and_nothing_at_all_is_refused(capsys):
+  a = a2d.parse(["--efforts=", "--revise-thresholds=0.3"])
+  assert a.efforts == [] and a.revise_thresholds == [0.3]
+  with pytest.raises(SystemExit):
+    a2d.parse(["--efforts=", "--revise-thresholds="])
+  assert "nothing to measure" in capsys.readouterr().err
