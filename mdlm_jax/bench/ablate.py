@@ -15,7 +15,8 @@ the same tokens every variant reports:
 - gen-PPL of those completions under the base and the share that parses;
 - its training tokens/s, MFU and wall time.
 A variant whose workdir already holds its last step is evaluated, not
-retrained: the same command resumes an interrupted table.
+retrained (its training figures are those its runs recorded): the same
+command resumes an interrupted table.
 """
 
 from __future__ import annotations
@@ -93,17 +94,28 @@ def stage_configs(config, steps: int, stages, workdir: str) -> list[tuple[str, o
   return out
 
 
+STAGE_RECORD = "ablate_stage.json"  # in a stage's run folder: what training it cost, kept for later tables
+
+
 def train_variant(config, steps: int, stages, workdir: str) -> dict:
-  """Trains each stage not yet finished. The tokens it trained now, their
-  steady tokens/s and MFU (the trainer's timed steps, after the first of
-  each run) and wall hours (compilation and checkpoints included); the rates
-  are None where nothing was timed."""
+  """Trains each stage not yet finished. `trained_now`: the tokens this call
+  trained. The variant's tokens, steady tokens/s and MFU (the trainer's timed
+  steps, after the first of each run) and wall hours (compilation and
+  checkpoints included) add up what each stage's run recorded when it
+  trained, so a later call that only evaluates reports them too (None where
+  nothing was timed)."""
+  import json
   from mdlm_jax.checkpoints import checkpointer
   from mdlm_jax.training import trainer
-  tokens, wall, timed_tokens, timed_s, flops_s = 0, 0.0, 0, 0.0, 0.0
+  now, total = 0, {"tokens": 0, "wall_s": 0.0, "timed_tokens": 0, "timed_s": 0.0, "flops_s": 0.0}
   stage_runs = stage_configs(config, steps, stages, workdir)
   for path, c in stage_runs:
     done = max(checkpointer.saved_steps(os.path.join(path, "checkpoints")), default=0)
+    record_path = os.path.join(path, STAGE_RECORD)
+    record = dict.fromkeys(total, 0)
+    if os.path.isfile(record_path):
+      with open(record_path, encoding="utf-8") as f:
+        record.update(json.load(f))
     t0 = time.time()
     with contextlib.redirect_stdout(sys.stderr):  # the runs' progress; stdout keeps the result alone
       out = trainer.train(c, path)
@@ -111,15 +123,26 @@ def train_variant(config, steps: int, stages, workdir: str) -> dict:
       raise KeyboardInterrupt(f"{path} stopped at step {out['step']}")
     per_step = c.data.batch_size * c.data.seq_len
     if done < c.train.num_steps:
-      tokens, wall = tokens + (c.train.num_steps - done) * per_step, wall + time.time() - t0
-    tp = out.get("throughput") or {}
-    if tp.get("timed_steps"):
-      timed_tokens += tp["timed_steps"] * per_step
-      timed_s += tp["seconds"]
-      flops_s += tp["mfu"] * tp["seconds"]
-  return {"final": stage_runs[-1][0], "trained_tokens": tokens,
-          "tokens_per_s": timed_tokens / timed_s if timed_s else None,
-          "mfu": flops_s / timed_s if timed_s else None, "hours": wall / 3600 if tokens else None}
+      trained = (c.train.num_steps - done) * per_step
+      now += trained
+      record["tokens"] += trained
+      record["wall_s"] += time.time() - t0
+      tp = out.get("throughput") or {}
+      if tp.get("timed_steps"):
+        record["timed_tokens"] += tp["timed_steps"] * per_step
+        record["timed_s"] += tp["seconds"]
+        record["flops_s"] += tp["mfu"] * tp["seconds"]
+      tmp = record_path + ".tmp"
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+      os.replace(tmp, record_path)
+    for k in total:
+      total[k] += record[k]
+  timed = total["timed_s"]
+  return {"final": stage_runs[-1][0], "trained_now": now, "trained_tokens": total["tokens"],
+          "tokens_per_s": total["timed_tokens"] / timed if timed else None,
+          "mfu": total["flops_s"] / timed if timed else None,
+          "hours": total["wall_s"] / 3600 if total["tokens"] else None}
 
 
 def completions(model, prompts, new_tokens: int, scorer) -> dict:
@@ -193,14 +216,14 @@ def table_row(name: str, row: dict) -> str:
   tpp = lambda k: f"{code[k]['tokens_per_forward']:.2f}" if k in code else "-"
   gen = f"{code['medium']['gen_ppl']:.2f}" if "medium" in code and "gen_ppl" in code["medium"] else "-"
   parse = f"{code['medium']['parse_rate']:.2f}" if "medium" in code and "parse_rate" in code["medium"] else "-"
-  speed = f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "-"
+  speed = f"{row['tokens_per_s']:,.0f} ({row['mfu']:.0%})" if row.get("tokens_per_s") else "-"
   return (f"| {name} | {row['bound_ppl']:.2f} | {row['bound_over_base']:.3f} | {tpp('medium')} | {tpp('revise')}"
           f" | {tpp('revise_all')} | {gen} | {parse} | {speed} |")
 
 
 def table(result: dict) -> str:
   head = ("| variant | bound PPL <= | over the base | tokens a pass (medium) | with revision | every draft offered"
-          " | gen-PPL | parses | train tokens/s |\n|---|---|---|---|---|---|---|---|---|")
+          " | gen-PPL | parses | train tokens/s (MFU) |\n|---|---|---|---|---|---|---|---|---|")
   return "\n".join([f"base: PPL {result['base_ppl']:.2f}, {result['steps']} steps of"
                     f" {result['tokens_per_step']} tokens a variant", head]
                    + [table_row(n, r) for n, r in result["variants"].items()])
