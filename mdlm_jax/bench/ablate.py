@@ -183,13 +183,14 @@ def main(argv=None):
   if not config.train.init_from:
     cli.fail("bench ablate", ValueError("the config names no train.init_from and --base is not given"))
   runtime.split_cpu_into_devices(config.data.batch_size // config.optim.grad_accum_steps)
-  from mdlm_jax import checkpoints, eval as evaluation
+  from mdlm_jax import checkpoints
+  from mdlm_jax.training.checkpoint_eval import evaluate_checkpoint
   from mdlm_jax.bench.sample import GenPPL, validation_examples
   base_path = config.train.init_from
   base = checkpoints.load(base_path)
   result = {"bench": "ablate", "config": a.config or "configs/a2d_code_small.py", "base": base_path,
             "steps": a.steps, "tokens_per_step": config.data.batch_size * config.data.seq_len, "variants": {}}
-  base_eval = evaluation.run(base_path, num_batches=a.eval_batches, batch_size=config.data.batch_size)
+  base_eval = evaluate_checkpoint(base_path, num_batches=a.eval_batches, batch_size=config.data.batch_size)
   result["base_ppl"] = base_eval["ppl"]
   scorer = GenPPL(base)
   for name in a.variants:
@@ -199,7 +200,7 @@ def main(argv=None):
       row = train_variant(config, a.steps, stages, os.path.join(a.workdir, name))
     except cli.USER_ERRORS as e:
       cli.fail("bench ablate", ValueError(f"variant {name}: {e}"))
-    bound = evaluation.run(row["final"], num_batches=a.eval_batches, batch_size=config.data.batch_size)
+    bound = evaluate_checkpoint(row["final"], num_batches=a.eval_batches, batch_size=config.data.batch_size)
     row.update({"what": what, "bound_ppl": bound["ppl"], "bound_over_base": bound["ppl"] / base_eval["ppl"]})
     if a.code_prompts:
       model = checkpoints.load(row["final"])
@@ -245,7 +246,7 @@ def plot(result: dict, path: str) -> None:
               [r.get("code", {}).get(setting, {}).get("tokens_per_forward", 0) for r in rows], width=0.27, label=label)
   right.set_xticks(list(x), names)
   right.set_ylabel("tokens a pass, held-out code")
-  right.legend()
+  right.legend(loc="lower center", fontsize=8)
   for ax in (left, right):
     ax.tick_params(axis="x", rotation=30)
   fig.suptitle(f"A2D choices after {result['steps']} steps of {result['tokens_per_step']} tokens each")

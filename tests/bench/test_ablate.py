@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mdlm_jax import checkpoints
-from mdlm_jax import eval as evaluation
 from mdlm_jax.bench import ablate
+from mdlm_jax.training.checkpoint_eval import evaluate_checkpoint
 from mdlm_jax.checkpoints import params_only
 
 CONFIG = '''
@@ -59,7 +59,7 @@ def test_each_variant_trains_the_same_steps_and_a_second_run_only_evaluates(tiny
   ablate.main(argv)
   res = json.loads(capsys.readouterr().out)
   rows = res["variants"]
-  base_ppl = evaluation.run(base, num_batches=1, batch_size=8)["ppl"]
+  base_ppl = evaluate_checkpoint(base, num_batches=1, batch_size=8)["ppl"]
   assert res["base_ppl"] == pytest.approx(base_ppl)
   for name, row in rows.items():
     got = checkpoints.load(row["final"])
