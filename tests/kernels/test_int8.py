@@ -1,5 +1,6 @@
 """Weight-only int8 decoding weights: the quantizer, the CPU kernel and XLA's
-path against float64 products of the dequantized weights, on fresh inputs."""
+path against exact integer products of the rounded rows and float64 products
+of the dequantized weights, on fresh inputs."""
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +32,44 @@ def test_quantize_maps_each_rows_largest_magnitude_to_127_and_rounds_the_rest():
   assert (err <= scale[..., None] / 2 + 1e-7).all(), f"seed {seed}"
 
 
-@pytest.mark.parametrize("rows", [1, 3, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 5])
-def test_int8_matmul_equals_the_float64_product_of_the_dequantized_weight(rows):
+def rows_rounded_to_int16(x):
+  """The documented rounding, in numpy: int16 values and one scale per row."""
+  amax = np.abs(x).max(1)
+  xs = np.where(amax > 0, amax / np.float32(32767), np.float32(1)).astype(np.float32)
+  return np.clip(np.round(x / xs[:, None]), -32767, 32767).astype(np.int64), xs
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 5])
+def test_int8_matmul_equals_the_exact_integer_product_of_the_rounded_rows(rows):
   rng, seed = fresh_rng()
-  k, n = int(rng.integers(20, 200)), int(rng.integers(20, 300))
+  # widths past and short of the kernel's 32 columns a step, magnitudes that differ by row
+  k, n = int(rng.integers(20, 700)), int(rng.integers(20, 300))
   qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32))
-  x = rng.normal(size=(rows, k)).astype(np.float32)
+  x = (rng.normal(size=(rows, k)) * rng.uniform(0.01, 100, size=(rows, 1))).astype(np.float32)
+  x[0, : k // 3] = 0.0
   got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw))
-  want = x.astype(np.float64) @ (np.asarray(qw.q, np.float64) * np.asarray(qw.scale, np.float64)[:, None]).T
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
+  xq, xs = rows_rounded_to_int16(x)
+  q, scale = np.asarray(qw.q, np.int64), np.asarray(qw.scale, np.float64)
+  want = (xq @ q.T) * xs[:, None].astype(np.float64) * scale[None, :]
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6 * np.abs(want).max(), err_msg=f"seed {seed}")
+  # and within the rounding's bound of the float64 product of the unrounded rows
+  wdq = q * scale[:, None]
+  exact = x.astype(np.float64) @ wdq.T
+  bound = (xs[:, None] / 2) @ np.abs(wdq).sum(1)[None, :] + 2e-6 * np.abs(exact).max()
+  assert (np.abs(got - exact) <= bound).all(), f"seed {seed}"
+
+
+def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
+  # 8,448 columns of the largest magnitudes: each int32 lane of the kernel's sum
+  # (two products a step of 32 columns) would pass 2^31 were it not emptied into
+  # int64 totals every 8,192 columns, and the sum itself is past int32.
+  k = 8448
+  qw = kernels.QuantizedWeight(jnp.full((3, k), 127, jnp.int8), jnp.ones((3,), jnp.float32))
+  x = np.zeros((2, k), np.float32)
+  x[1] = 1.0
+  got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw))
+  np.testing.assert_array_equal(got[0], 0.0)
+  np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6)
 
 
 def test_the_kernel_runs_on_cpu_for_few_rows_and_xla_for_more():
