@@ -22,8 +22,9 @@ every length (comparisons; its memory grows with the square of the length).
 The confidence head also takes "triton": the jax-triton kernel on a CUDA
 backend (the `gpu` extra), the reference elsewhere.
 
-Weight-only int8 decoding weights (`QuantizedWeight`, `int8_matmul`) multiply
-in a C++ kernel on CPU through the XLA FFI (`int8.py`), XLA elsewhere.
+Weight-only int8 decoding weights (`QuantizedWeight`, `int8_matmul`, with
+low-rank adapters joined in by `join_adapters`) multiply in a C++ kernel on
+CPU through the XLA FFI (`int8.py`), XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from mdlm_jax.kernels.chunked_attention import chunked_attention, chunked_cache_
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
-from mdlm_jax.kernels.int8 import QuantizedWeight, int8_matmul, native_kernel_ready, quantize
+from mdlm_jax.kernels.int8 import LowRank, QuantizedWeight, int8_matmul, join_adapters, native_kernel_ready, quantize
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, resolve
 from mdlm_jax.kernels.sequence_parallel import sequence_parallel_attention, sequence_shards
 from mdlm_jax.kernels.numerics import LOGITS_DTYPE
@@ -238,4 +239,4 @@ __all__ = ["attention", "cache_attention", "attention_reference", "chunked_atten
            "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes",
-           "QuantizedWeight", "int8_matmul", "native_kernel_ready", "quantize"]
+           "LowRank", "QuantizedWeight", "int8_matmul", "join_adapters", "native_kernel_ready", "quantize"]

@@ -29,13 +29,43 @@ import threading
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int8
+from jaxtyping import Array, Bool, Float, Int8, Int32
 
 # Up to this many token rows the kernel reads each weight row once for all of
 # them; past it XLA's dot on the converted weight is the faster (measured).
 KERNEL_MAX_ROWS = 16
 FFI_TARGET = "mdlm_jax_int8_matmul"
+LORA_FFI_TARGET = "mdlm_jax_int8_lora_matmul"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_matmul.cc")
+
+
+@struct.dataclass
+class LowRank:
+  """Low-rank adapters on the output rows of one [out, in] weight, joined so
+  that one call forms the weight's product and theirs: adapter p acts on
+  output rows [ends[p - 1], ends[p]) as x @ a_p @ b_p * scale. `at`
+  [parts * rank, in] holds each a_p transposed, `bt` [out, rank] each output
+  row's column of its adapter's b times the scale (`join_adapters`)."""
+
+  at: Float[Array, "pr k"]
+  bt: Float[Array, "n r"]
+  ends: Int32[Array, "p"]
+
+  def delta(self, x2d: Float[Array, "m k"]) -> Float[Array, "m n"]:
+    """The adapters' update of every token row, with XLA's products."""
+    m, parts, rank = x2d.shape[0], self.ends.shape[0], self.bt.shape[1]
+    u = (x2d @ self.at.T).reshape(m, parts, rank)
+    part = jnp.searchsorted(self.ends, jnp.arange(self.bt.shape[0]), side="right")
+    return jnp.einsum("mnt,nt->mn", u[:, part], self.bt)
+
+
+def join_adapters(adapters: list[tuple[Array, Array]], scale: float) -> LowRank:
+  """`LowRank` of adapters (a [in, rank], b [rank, out_p]) whose outputs are
+  the consecutive output rows of one weight, in order."""
+  at = jnp.concatenate([jnp.asarray(a, jnp.float32).T for a, _ in adapters], axis=0)
+  bt = jnp.concatenate([(jnp.asarray(b, jnp.float32) * scale).T for _, b in adapters], axis=0)
+  ends = jnp.cumsum(jnp.asarray([b.shape[1] for _, b in adapters], jnp.int32))
+  return LowRank(at, bt, ends)
 
 
 @struct.dataclass
@@ -45,10 +75,13 @@ class QuantizedWeight:
 
   It stands where a float weight array stands in a model's params (a Param's
   value), so it answers `w[...]`, `.shape` and a `.reshape` to the 2-D
-  [out, in] form the product takes."""
+  [out, in] form the product takes. `adapters`, when set, are low-rank
+  adapters over its output rows that the product applies to chosen token
+  rows in the same call."""
 
   q: Int8[Array, "..."]
   scale: Float[Array, "..."]
+  adapters: LowRank | None = None
 
   def __getitem__(self, index):
     if index is not Ellipsis:
@@ -69,7 +102,7 @@ class QuantizedWeight:
     if q.ndim != 2 or q.shape[0] != self.scale.size:
       raise ValueError(f"a QuantizedWeight of {self.q.shape} reshapes to [out, in] with {self.scale.size} rows,"
                        f" not {q.shape}")
-    return QuantizedWeight(q, self.scale.reshape(-1))
+    return QuantizedWeight(q, self.scale.reshape(-1), self.adapters)
 
   def dequantize(self, dtype=jnp.float32) -> Array:
     scale = self.scale.reshape(self.scale.shape + (1,) * (self.q.ndim - self.scale.ndim))
@@ -98,23 +131,34 @@ def round_rows_to_int16(x2d: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], 
   return jnp.clip(jnp.round(x2d / xs[:, None]), -ACTIVATION_MAX, ACTIVATION_MAX), xs
 
 
-def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight) -> Float[Array, "m n"]:
+def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
+                adapter_rows: Bool[Array, "m"] | bool | None = None) -> Float[Array, "m n"]:
   """x2d [tokens, in], each row rounded to int16, times the 2-D [out, in] `w`:
-  [tokens, out], float32."""
+  [tokens, out], float32. With `w.adapters`, the token rows `adapter_rows`
+  says (None: all, False: none) also get the adapters' update, formed from the
+  unrounded rows in float32."""
   if w.q.ndim != 2:
     raise ValueError(f"int8_matmul takes a 2-D [out, in] weight, got {w.q.shape}")
   x2d = x2d.astype(jnp.float32)
+  ad = None if adapter_rows is False else w.adapters
+  rows = None
+  if ad is not None:
+    rows = (jnp.ones((x2d.shape[0],), jnp.float32) if adapter_rows is None
+            else jnp.reshape(adapter_rows, (-1,)).astype(jnp.float32))
 
   def with_xla(x, q, scale):
     xq, xs = round_rows_to_int16(x)
-    return jnp.einsum("mk,nk->mn", xq, q.astype(jnp.float32)) * xs[:, None] * scale
+    y = jnp.einsum("mk,nk->mn", xq, q.astype(jnp.float32)) * xs[:, None] * scale
+    return y if ad is None else y + ad.delta(x) * rows[:, None]
 
   # Decided while tracing, not with lax.platform_dependent: its conditional
   # around every product kept XLA:CPU from running the passes at speed.
   if x2d.shape[0] > KERNEL_MAX_ROWS or jax.default_backend() != "cpu" or not native_kernel_ready():
     return with_xla(x2d, w.q, w.scale)
   out = jax.ShapeDtypeStruct((x2d.shape[0], w.q.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, w.q, w.scale)
+  if ad is None:
+    return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, w.q, w.scale)
+  return jax.ffi.ffi_call(LORA_FFI_TARGET, out)(x2d, w.q, w.scale, ad.at, ad.bt, ad.ends, rows)
 
 
 _lock = threading.Lock()
@@ -129,6 +173,7 @@ def native_kernel_ready() -> bool:
       try:
         lib = ctypes.cdll.LoadLibrary(_build())
         jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(LORA_FFI_TARGET, jax.ffi.pycapsule(lib.Int8LoraMatmul), platform="cpu")
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         print(f"int8 weights: the CPU kernel could not be built ({e}); using XLA's slower convert-then-dot",
@@ -142,7 +187,7 @@ def _build() -> str:
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if not compiler:
     raise RuntimeError("no C++ compiler (set $CXX or install g++)")
-  flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w"]
+  flags = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w"]
   with open(_SOURCE, "rb") as f:
     source = f.read()
   key = hashlib.sha256(source + " ".join([compiler, *flags, jax.__version__]).encode()).hexdigest()[:16]

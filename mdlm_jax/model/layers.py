@@ -28,14 +28,17 @@ WEIGHT_LAYOUTS = ("in_out", "out_in")
 FEW_ROWS = kernels.FEW_ROWS
 
 
-def dense(x2d, w2d, dtype, out_in: bool = False):
+def dense(x2d, w2d, dtype, out_in: bool = False, noisy=None):
   """A matmul on [tokens, features]. Activations are flattened to 2-D before
   every weight matmul: XLA:CPU runs the backward of a [b, l, d] x [d, m]
   contraction at half the speed of the same product on [b * l, d].
   With `out_in` the weight is stored [out, in] (`kernels.out_in_matmul`);
-  an int8 decoding weight (`kernels.QuantizedWeight`) is always [out, in]."""
+  an int8 decoding weight (`kernels.QuantizedWeight`) is always [out, in],
+  and applies the adapters it carries to the `noisy` rows (`_lora_delta`'s
+  meaning) in the same product."""
   if isinstance(w2d, kernels.QuantizedWeight):
-    return kernels.int8_matmul(x2d, w2d).astype(dtype)
+    rows = noisy if noisy is None or noisy is False else noisy.reshape(-1)
+    return kernels.int8_matmul(x2d, w2d, rows).astype(dtype)
   x2d, w2d = x2d.astype(dtype), w2d.astype(dtype)
   return kernels.out_in_matmul(x2d, w2d) if out_in else x2d @ w2d
 
@@ -63,10 +66,17 @@ class LoRA(nnx.Module):
     return y if noisy2d is None else y * noisy2d.astype(dtype)
 
 
-def _lora_delta(lora: "LoRA | None", x2d, dtype, noisy):
+def carries_adapters(w) -> bool:
+  """Whether weight `w` applies its adapters in its own product (an int8
+  decoding weight with `kernels.join_adapters` joined in)."""
+  return isinstance(w, kernels.QuantizedWeight) and w.adapters is not None
+
+
+def _lora_delta(lora: "LoRA | None", x2d, dtype, noisy, w=None):
   """The adapter's update of `x2d`'s rows: on all (noisy None), none (noisy False, a
-  clean-only pass skips the products) or the rows where `noisy` [b, l] is True."""
-  if lora is None or noisy is False:
+  clean-only pass skips the products) or the rows where `noisy` [b, l] is True;
+  nothing where weight `w` carries the adapters itself."""
+  if lora is None or noisy is False or carries_adapters(w):
     return 0.0
   return lora(x2d, dtype, None if noisy is None else noisy.reshape(-1, 1))
 
@@ -137,13 +147,14 @@ class Attention(nnx.Module):
     y = dense(x2, w.reshape(-1, heads * k), self.dtype)
     return _add_bias(y, b).reshape(*shape, heads, k)
 
-  def _project_qkv(self, x2, shape):
-    """q, k and v, each [b, l, heads, k]."""
+  def _project_qkv(self, x2, shape, noisy=None):
+    """q, k and v, each [b, l, heads, k] (with the adapters where the joined
+    weight carries them)."""
     if not self.out_in:
       return (self._project(x2, self.wq, self.bq, shape), self._project(x2, self.wk, self.bk, shape),
               self._project(x2, self.wv, self.bv, shape))
     h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
-    y = dense(x2, self.wqkv[...].reshape((h + 2 * g) * k, -1), self.dtype, out_in=True)
+    y = dense(x2, self.wqkv[...].reshape((h + 2 * g) * k, -1), self.dtype, out_in=True, noisy=noisy)
     parts = jnp.split(y, [h * k, (h + g) * k], axis=-1)
     return tuple(_add_bias(p, bias).reshape(*shape, n, k) for p, bias, n in zip(parts, (self.bq, self.bk, self.bv),
                                                                                    (h, g, g)))
@@ -159,8 +170,8 @@ class Attention(nnx.Module):
     b, l, d = x.shape
     h, k = self.num_heads, self.head_dim
     x2 = x.reshape(b * l, d)
-    q, k_, v = self._project_qkv(x2, (b, l))
-    if self.lora_q is not None and noisy is not False:
+    q, k_, v = self._project_qkv(x2, (b, l), noisy)
+    if self.lora_q is not None and noisy is not False and not (self.out_in and carries_adapters(self.wqkv[...])):
       q, k_, v = (y + _lora_delta(a, x2, dt, noisy).reshape(y.shape)
                   for y, a in ((q, self.lora_q), (k_, self.lora_k), (v, self.lora_v)))
     if self.q_norm is not None:
@@ -176,7 +187,7 @@ class Attention(nnx.Module):
       o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
     wo = self.wo[...].reshape((d, h * k) if self.out_in else (h * k, d))
     o2 = o.reshape(b * l, h * k)
-    out = dense(o2, wo, dt, self.out_in) + _lora_delta(self.lora_o, o2, dt, noisy)
+    out = dense(o2, wo, dt, self.out_in, noisy) + _lora_delta(self.lora_o, o2, dt, noisy, wo)
     return out.reshape(b, l, d), cache
 
 
@@ -207,11 +218,11 @@ class MLP(nnx.Module):
     x2 = x.reshape(b * l, d)
     if out_in:
       w_in = self.w_in[...]
-      parts = jnp.split(dense(x2, w_in.reshape(-1, d), dt, out_in=True), w_in.shape[0], axis=-1)
+      parts = jnp.split(dense(x2, w_in.reshape(-1, d), dt, out_in=True, noisy=noisy), w_in.shape[0], axis=-1)
     else:
       parts = [dense(x2, self.w_gate[...], dt)] if self.kind == "swiglu" else []
       parts.append(dense(x2, self.w_up[...], dt))
-    if self.lora_up is not None:
+    if self.lora_up is not None and not (out_in and carries_adapters(self.w_in[...])):
       adapters = [self.lora_gate, self.lora_up] if self.kind == "swiglu" else [self.lora_up]
       parts = [p + _lora_delta(a, x2, dt, noisy) for p, a in zip(parts, adapters)]
     if self.kind == "swiglu":
@@ -220,7 +231,8 @@ class MLP(nnx.Module):
     else:
       h = jax.nn.gelu(parts[0])
     h = constrain(h.reshape(b, l, -1), ("batch", "length", "act_mlp")).reshape(b * l, -1)
-    return (dense(h, self.w_down[...], dt, out_in) + _lora_delta(self.lora_down, h, dt, noisy)).reshape(b, l, d)
+    w_down = self.w_down[...]
+    return (dense(h, w_down, dt, out_in, noisy) + _lora_delta(self.lora_down, h, dt, noisy, w_down)).reshape(b, l, d)
 
 
 class Modulation(nnx.Module):

@@ -359,15 +359,28 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
   """`params` of an "out_in" model with every matmul weight (q/k/v, output,
   gate/up, down, embedding, untied head) in weight-only int8, a float32 scale
   per output row (`kernels.QuantizedWeight`); adapters, norms and biases stay
-  as they are. A pass at batch 1 reads a quarter of the bytes."""
+  as they are. A pass at batch 1 reads a quarter of the bytes. A model's
+  low-rank adapters are also joined into the weights they adapt
+  (`kernels.join_adapters`: q, k and v's into the joined q/k/v weight, gate
+  and up's into theirs), so that each product applies them in the same call;
+  the adapters' own params stay for the float32 copy."""
   if cfg.weight_layout != "out_in":
     raise ValueError(f"int8 decoding weights are stored [out, in]: convert the model to weight_layout='out_in'"
                      f" first (it is {cfg.weight_layout!r})")
+  scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+
+  def quantized(w, out_dims, group, names):
+    qw = kernels.quantize(w, out_dims=out_dims)
+    loras = [group[n] for n in names if n in group]
+    return qw.replace(adapters=kernels.join_adapters([(a["a"], a["b"]) for a in loras], scale)) if loras else qw
+
   out = dict(params, blocks={})
   for i, block in params["blocks"].items():
     attn, mlp = dict(block["attn"]), dict(block["mlp"])
-    attn.update(wqkv=kernels.quantize(attn["wqkv"], out_dims=2), wo=kernels.quantize(attn["wo"], out_dims=1))
-    mlp.update(w_in=kernels.quantize(mlp["w_in"], out_dims=2), w_down=kernels.quantize(mlp["w_down"], out_dims=1))
+    attn.update(wqkv=quantized(attn["wqkv"], 2, attn, ("lora_q", "lora_k", "lora_v")),
+                wo=quantized(attn["wo"], 1, attn, ("lora_o",)))
+    mlp.update(w_in=quantized(mlp["w_in"], 2, mlp, ("lora_gate", "lora_up")),
+               w_down=quantized(mlp["w_down"], 1, mlp, ("lora_down",)))
     out["blocks"][i] = dict(block, attn=attn, mlp=mlp)
   out["embedding"] = kernels.quantize(params["embedding"], out_dims=1)
   if "head" in params:

@@ -80,3 +80,40 @@ def test_bad_decode_dtypes_are_refused(diffusion):
     Generator(diffusion, decode_dtype="int4")
   with pytest.raises(ValueError, match="weight layout 'in_out' cannot hold them"):
     Generator(diffusion, weight_layout="in_out", decode_dtype="int8")
+
+
+def test_adapters_joined_into_int8_weights_act_on_the_noisy_rows_as_separate_ones(monkeypatch):
+  """An adapted model's int8 copy carries its adapters inside the weights they
+  adapt: a pass that keeps a clean head and denoises a block gives the logits
+  of the same int8 weights with the adapters as separate products, and those
+  of XLA's path."""
+  from mdlm_jax.model.kv_cache import KVCache
+  from tests.conftest import adapted_from
+  adapted = adapted_from(checkpoints.load(packaged.path(packaged.AR)), lora_rank=4, block_size=4)
+  q = for_decoding(adapted, decode_dtype="int8")
+  block = q.params["blocks"][0]
+  assert block["attn"]["wqkv"].adapters.ends.shape == (3,) and block["mlp"]["w_in"].adapters.ends.shape == (2,)
+  apart = dict(q.params, blocks={i: jax.tree.map(
+      lambda x: x.replace(adapters=None) if isinstance(x, kernels.QuantizedWeight) else x, blk,
+      is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight)) for i, blk in q.params["blocks"].items()})
+  rng = np.random.default_rng()
+  tokens = jax.numpy.asarray(rng.integers(0, adapted.spec.cfg.vocab_size, size=(1, 8)), jax.numpy.int32)
+  positions = jax.numpy.arange(8, dtype=jax.numpy.int32)[None]
+
+  def logits(params):
+    cache = KVCache.init(q.spec.cfg, 1, 16)
+    return np.asarray(jax.jit(lambda p: bind(q.spec, p).forward_cached(tokens, positions, cache, commit=True,
+                                                                        new_block=4, commit_len=4)[0])(params))
+  got = logits(q.params)
+  # Float32 differences in the order of the sums flip the odd int16 rounding of
+  # a later layer's rows (2^-16 of a row's largest magnitude each): hence 1e-3.
+  tol = 1e-3 * np.abs(got).max()
+  np.testing.assert_allclose(got, logits(apart), rtol=0, atol=tol)
+  with monkeypatch.context() as m:
+    m.setattr(int8, "native_kernel_ready", lambda: False)
+    np.testing.assert_allclose(got, logits(q.params), rtol=0, atol=tol)
+  # the adapters matter here: without them the block's logits move
+  zeroed = jax.tree.map(lambda x: x.replace(adapters=x.adapters.replace(bt=0 * x.adapters.bt))
+                        if isinstance(x, kernels.QuantizedWeight) and x.adapters is not None else x, q.params,
+                        is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight))
+  assert np.abs(logits(zeroed) - got).max() > 20 * tol
