@@ -154,23 +154,16 @@ void ForEachChunk(ffi::ThreadPool& pool, int64_t chunks, F fn) {
     std::atomic<int64_t> done{0};
   };
   auto state = std::make_shared<State>();
-  auto work = [state, chunks, &fn]() {
+  // Helpers hold `state` alive; `fn` is read only while a chunk is left, and
+  // the caller waits for every chunk, so it outlives those reads.
+  auto work = [state, chunks, fnp = &fn]() {
     for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
-      fn(c);
+      (*fnp)(c);
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) {
-    // Helpers hold `state` alive; `fn` is read only while a chunk is left, and
-    // the caller waits for every chunk, so it outlives those reads.
-    pool.Schedule([state, chunks, fnp = &fn]() {
-      for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
-        (*fnp)(c);
-        state->done.fetch_add(1, std::memory_order_release);
-      }
-    });
-  }
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
   work();
   while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }

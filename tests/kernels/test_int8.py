@@ -99,7 +99,8 @@ def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
   x[1] = 1.0
   got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw))
   np.testing.assert_array_equal(got[0], 0.0)
-  np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6)
+  # exact integer sums in the kernel; XLA's path sums in float32
+  np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6 if kernels.native_kernel_ready() else 1e-4)
 
 
 def test_the_kernel_runs_on_cpu_for_few_rows_and_xla_for_more():
