@@ -43,6 +43,9 @@ constexpr float kInt16Max = 32767.f;
 // columns it holds at most 512 * 127 * 32767 < 2^31, so lanes are emptied into
 // int64 totals that often.
 constexpr int64_t kChunk = 8192;
+// Without VNNI one int32 sum takes every product of its chunk: 512 of them
+// stay below 2^31.
+constexpr int64_t kScalarChunk = 512;
 
 // Rounds each of the m rows of x to int16 with its own scale.
 void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* xq, float* xs) {
@@ -89,8 +92,8 @@ inline void RowsTimesWeightRow(const int16_t* xq, int64_t k, const int8_t* w, in
 #else
   for (int r = 0; r < M; ++r) {
     const int16_t* xr = xq + r * k;
-    for (int64_t c0 = 0; c0 < k; c0 += kChunk) {
-      const int64_t c1 = c0 + kChunk < k ? c0 + kChunk : k;
+    for (int64_t c0 = 0; c0 < k; c0 += kScalarChunk) {
+      const int64_t c1 = c0 + kScalarChunk < k ? c0 + kScalarChunk : k;
       int32_t acc = 0;
 #pragma omp simd reduction(+ : acc)
       for (int64_t i = c0; i < c1; ++i) acc += int32_t(xr[i]) * int32_t(w[i]);

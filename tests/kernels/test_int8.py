@@ -103,6 +103,30 @@ def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
   np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6 if kernels.native_kernel_ready() else 1e-4)
 
 
+def test_the_kernel_built_without_vnni_forms_the_same_exact_sums(tmp_path, monkeypatch):
+  """The plain-loop path, for CPUs without AVX-512 VNNI, built and checked
+  here: exact integer sums over long rows (each chunk's int32 sum stays
+  below 2^31), adapters on chosen rows."""
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine")
+  import ctypes
+  monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
+  lib = ctypes.cdll.LoadLibrary(int8._build(("-mno-avx512vnni",)))
+  jax.ffi.register_ffi_target("test_int8_matmul_plain", jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
+  rng, seed = fresh_rng()
+  k, n, rows = int(rng.integers(2000, 9000)), int(rng.integers(3, 40)), int(rng.integers(1, 6))
+  q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+  q[0] = 127
+  scale = rng.uniform(0.5, 2, size=n).astype(np.float32)
+  x = rng.normal(size=(rows, k)).astype(np.float32)
+  x[0] = np.abs(x[0])  # with row 0 of q, a sum of the largest products
+  out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+  got = np.asarray(jax.ffi.ffi_call("test_int8_matmul_plain", out)(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
+  xq, xs = rows_rounded_to_int16(x)
+  want = (xq @ q.astype(np.int64).T) * xs[:, None].astype(np.float64) * scale.astype(np.float64)[None, :]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"seed {seed}")
+
+
 def test_the_kernel_runs_on_cpu_for_few_rows_and_xla_for_more():
   if not kernels.native_kernel_ready():
     pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
