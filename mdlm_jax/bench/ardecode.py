@@ -60,9 +60,14 @@ def _best(fn, repeats: int) -> float:
   return min(times)
 
 
-def ours(loaded, prompts, new_tokens: int, repeats: int, decode_dtype: str = "float32") -> dict:
+def ours(loaded, prompts, new_tokens: int, repeats: int, decode_dtype: str = "float32",
+         bandwidth: float = 0.0) -> dict:
+  """Our KV-cached AR sampler's best time; at batch 1, given the machine's
+  read `bandwidth`, also a step's bytes and its fraction of their bound
+  (prefill included in the time: a few tokens against `new_tokens` steps)."""
   import jax
   import numpy as np
+  from mdlm_jax.bench import bound
   from mdlm_jax.model.spec import for_decoding
   from mdlm_jax.sampling.ar import ARSampler
   model = for_decoding(loaded, decode_dtype=decode_dtype)
@@ -77,7 +82,12 @@ def ours(loaded, prompts, new_tokens: int, repeats: int, decode_dtype: str = "fl
   def run():
     out = sampler.generate(model.spec, model.params, tokens, valid, jax.random.key(0), eos_id=-1, pad_id=0)
     jax.block_until_ready(out["tokens"])
-  return {"seconds": _best(run, repeats)}
+  seconds = _best(run, repeats)
+  row = {"seconds": seconds}
+  if bandwidth and len(prompts) == 1:  # at batch 1 a step reads every weight and the cache once
+    row["bound"] = bound.pass_bound(seconds / new_tokens, bound.weight_bytes(model.params, model.spec.cfg),
+                                    width + new_tokens / 2, model.spec.cfg, bandwidth)
+  return row
 
 
 def transformers_generate(path: str, prompts, new_tokens: int, repeats: int, threads: int) -> dict:
@@ -152,12 +162,15 @@ def main(argv=None):
                        "load_params_only_s": load_folder_s},
             "runs": []}
   del named
+  from mdlm_jax.bench import bound
+  result["bandwidth_gb_s"] = bound.read_bandwidth() / 1e9
   progress = common.Progress("bench ar", len(a.batch_sizes) * (2 + len(a.decode_dtypes)))
   for b in a.batch_sizes:
     prompts = (PROMPTS * -(-b // len(PROMPTS)))[:b]
     rows = {}
     for dtype in a.decode_dtypes:
-      rows[f"mdlm_jax {dtype}"] = ours(loaded, prompts, a.new_tokens, a.repeats, dtype)
+      rows[f"mdlm_jax {dtype}"] = ours(loaded, prompts, a.new_tokens, a.repeats, dtype,
+                                      result["bandwidth_gb_s"] * 1e9)
       progress.advance()
     rows["transformers"] = ({"error": "skipped (--skip)"} if "transformers" in a.skip else
                             transformers_generate(path, prompts, a.new_tokens, a.repeats, a.threads))

@@ -36,11 +36,16 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 def weight_bytes(params, cfg) -> int:
   """Bytes of weights one pass reads: every array of the model, but an
   untied token embedding, of which a pass gathers only its tokens' rows
-  (a tied one is the output head too, read whole)."""
+  (a tied one is the output head too, read whole), and adapters' own
+  params where int8 weights carry them joined (a pass reads those copies)."""
+  from mdlm_jax import kernels
+  is_q = lambda x: isinstance(x, kernels.QuantizedWeight)
+  joined = any(is_q(x) and x.adapters is not None for x in jax.tree.leaves(params, is_leaf=is_q))
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    untied_table = not cfg.tie_embeddings and "embedding" in jax.tree_util.keystr(path)
-    if not untied_table:
+    name = jax.tree_util.keystr(path)
+    untied_table = not cfg.tie_embeddings and "embedding" in name
+    if not untied_table and not (joined and "lora_" in name):
       total += int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
   return total
 

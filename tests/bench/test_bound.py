@@ -37,3 +37,39 @@ def test_a_pass_reads_every_weight_but_an_untied_embedding_and_its_cache(tie):
 def test_read_bandwidth_is_a_memory_speed():
   bw = bound.read_bandwidth(mib=64, repeats=2)
   assert 1e8 < bw < 1e13  # between a slow disk and any memory there is
+
+
+def test_adapters_joined_into_int8_weights_are_counted_once(tiny_checkpoints):
+  """An adapted model's int8 copy holds its adapters twice (their own params
+  for the float32 copy, and joined into the weights): a pass reads the joined."""
+  from mdlm_jax import checkpoints, kernels
+  from mdlm_jax.model.spec import for_decoding
+  from tests.conftest import adapted_from
+  adapted = adapted_from(checkpoints.load(tiny_checkpoints["ar"]), lora_rank=4)
+  q = for_decoding(adapted, decode_dtype="int8")
+  cfg = q.spec.cfg
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  is_q = lambda x: isinstance(x, kernels.QuantizedWeight)
+  quantized = [x for x in jax.tree.leaves(q.params, is_leaf=is_q) if is_q(x)]
+  assert any(x.adapters is not None for x in quantized)
+  loras = sum(nbytes(v) for blk in q.params["blocks"].values() for part in blk.values() if isinstance(part, dict)
+              for k, v in part.items() if k.startswith("lora_"))
+  assert loras > 0
+  untied = 0 if cfg.tie_embeddings else nbytes(q.params["embedding"])
+  assert bound.weight_bytes(q.params, cfg) == nbytes(q.params) - loras - untied
+  # the float32 model reads its adapters' own params
+  assert bound.weight_bytes(adapted.params, cfg) == nbytes(adapted.params) - (
+      0 if cfg.tie_embeddings else nbytes(adapted.params["embedding"]))
+
+
+def test_bench_ar_gives_a_steps_bound_at_batch_1_only(tiny_checkpoints):
+  from mdlm_jax import checkpoints
+  from mdlm_jax.bench import ardecode
+  from mdlm_jax.model.spec import for_decoding
+  loaded = checkpoints.load(tiny_checkpoints["ar"])
+  one = ardecode.ours(loaded, ["def f(x):\n"], 8, 1, "int8", bandwidth=1e10)
+  b = one["bound"]
+  assert b["pass_s"] == pytest.approx(one["seconds"] / 8)
+  assert b["weight_bytes"] == bound.weight_bytes(for_decoding(loaded, decode_dtype="int8").params, loaded.spec.cfg)
+  assert b["fraction_of_bound"] == pytest.approx(b["bytes_per_pass"] / 1e10 / b["pass_s"])
+  assert "bound" not in ardecode.ours(loaded, ["a", "b"], 8, 1, "int8", bandwidth=1e10)
