@@ -42,8 +42,9 @@ def main(argv):
   from mdlm_jax.training import checkpoint_eval
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    res = checkpoint_eval.evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value, _BATCH_SIZE.value,
-              _TIME_SAMPLES.value, _SEED.value, _RAW.value, _MESH.value, _PROFILE.value)
+    res = checkpoint_eval.evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value,
+                                              _BATCH_SIZE.value, _TIME_SAMPLES.value, _SEED.value, _RAW.value,
+                                              _MESH.value, _PROFILE.value)
   except cli.USER_ERRORS as e:
     cli.fail("eval", e)
   import jax

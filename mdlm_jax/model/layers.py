@@ -37,8 +37,7 @@ def dense(x2d, w2d, dtype, out_in: bool = False, noisy=None):
   and applies the adapters it carries to the `noisy` rows (`_lora_delta`'s
   meaning) in the same product."""
   if isinstance(w2d, kernels.QuantizedWeight):
-    rows = noisy if noisy is None or noisy is False else noisy.reshape(-1)
-    return kernels.int8_matmul(x2d, w2d, rows).astype(dtype)
+    return kernels.int8_matmul(x2d, w2d, noisy).astype(dtype)
   x2d, w2d = x2d.astype(dtype), w2d.astype(dtype)
   return kernels.out_in_matmul(x2d, w2d) if out_in else x2d @ w2d
 
