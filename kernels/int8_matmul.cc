@@ -103,6 +103,27 @@ inline void RowsTimesWeightRow(const int16_t* xq, int64_t k, const int8_t* w, in
 #endif
 }
 
+// sum_t a[t] * b[t] in float32: an adapter's update of one output, in vector
+// registers (the scalar loop it replaced cost 1.5 to 2 ms of a 35 ms revising
+// pass of the adapted default, measured).
+inline float Dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + t), _mm512_loadu_ps(b + t), acc);
+  if (t < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - t)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + t), _mm512_maskz_loadu_ps(mask, b + t), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t t = 0; t < n; ++t) acc += a[t] * b[t];
+  return acc;
+#endif
+}
+
 // Low-rank adapters of one weight's output rows: u = x @ A for every token
 // row (float32, [m, P * r]), adapter p's `bt` rows for output rows
 // [ends[p - 1], ends[p]), and the rows' weights (0: the adapters skip a row).
@@ -128,10 +149,7 @@ void RowsTimesWeight(const int16_t* xq, const float* xs, const int8_t* q, const 
       if (ad != nullptr && ad->rows[m0 + r] != 0.f) {
         while (part + 1 < ad->parts && j >= ad->ends[part]) ++part;
         const float* u = ad->u + (m0 + r) * ad->parts * ad->rank + part * ad->rank;
-        const float* b = ad->bt + j * ad->rank;
-        float delta = 0.f;
-        for (int64_t t = 0; t < ad->rank; ++t) delta += u[t] * b[t];
-        out += ad->rows[m0 + r] * delta;
+        out += ad->rows[m0 + r] * Dot(u, ad->bt + j * ad->rank, ad->rank);
       }
       y[(m0 + r) * n + j] = out;
     }

@@ -1,7 +1,7 @@
 """An AR model adapted to diffusion against its base, in one sitting:
 
   python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--revise-thresholds 0.3]
-      [--agreements 1,0.5] [--limit N]
+      [--agreements 1,0.5] [--lookups 0,2] [--limit N]
       [--code-prompts 8] [--json] [--out F.json] [--png F.png]
 
 Every figure of the adapted model (default: the packaged one) is set beside
@@ -17,8 +17,9 @@ the same prompts, on this machine, at batch 1:
 - revision (`revise`: drafts kept only where the base's causal pass agrees,
   so the text is the base's own) at each of --revise-thresholds, the least
   sure a draft may be to be offered, and at each of --agreements (below 1:
-  drafts the base rates near its best are kept too, lossy); `--png` plots
-  both curves;
+  drafts the base rates near its best are kept too, lossy) and at each of
+  --lookups (drafts also copied from earlier in the text after that many
+  matching tokens; 0: the model's own only); `--png` plots both curves;
 - each setting's mean pass time beside the memory-bandwidth bound of the
   bytes it reads (`bench.bound`: weights and KV cache over a bandwidth
   measured in the same run: a large array read once), and the fraction of
@@ -36,7 +37,8 @@ from mdlm_jax.bench.common import add_output_flags, finish, save_figure
 
 
 def parse(argv):
-  from mdlm_jax.sampling.presets import DRAFT_THRESHOLD, EFFORTS
+  from mdlm_jax.sampling.presets import DRAFT_LOOKUP, DRAFT_THRESHOLD, EFFORTS
+  from mdlm_jax.sampling.rule import MAX_LOOKUP
   from mdlm_jax.model.transformer import DECODE_DTYPES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench a2d", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
@@ -49,6 +51,9 @@ def parse(argv):
   p.add_argument("--agreements", default="1",
                  help="comma-separated: each revision setting again at each of these agreements (below 1: drafts"
                       " the base rates at least that share as likely as its best are kept too; 1: its own text)")
+  p.add_argument("--lookups", default=str(DRAFT_LOOKUP),
+                 help="comma-separated: each revision setting again copying drafts from earlier in the text after"
+                      f" this many matching tokens (0: the model's drafts only; at most {MAX_LOOKUP})")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -73,6 +78,12 @@ def parse(argv):
     p.error(f"--agreements must be comma-separated numbers, got {a.agreements!r}")
   if not a.agreements or any(not 0 < x <= 1 for x in a.agreements):
     p.error("--agreements must be in (0, 1]")
+  try:
+    a.lookups = [int(x) for x in a.lookups.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--lookups must be comma-separated integers, got {a.lookups!r}")
+  if not a.lookups or any(not 0 <= x <= MAX_LOOKUP for x in a.lookups):
+    p.error(f"--lookups must be in [0, {MAX_LOOKUP}]")
   if any(e not in EFFORTS for e in a.efforts):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
   if not a.efforts and not a.revise_thresholds:
@@ -190,8 +201,8 @@ def main(argv=None):
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
-  settings.update({revision_name(t, g): {"revise": True, "threshold": t, "agreement": g}
-                   for t in a.revise_thresholds for g in a.agreements})
+  settings.update({revision_name(t, g, n): {"revise": True, "threshold": t, "agreement": g, "lookup": n}
+                   for t in a.revise_thresholds for g in a.agreements for n in a.lookups})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
@@ -222,9 +233,11 @@ def main(argv=None):
   finish(result, a, plot)
 
 
-def revision_name(threshold: float, agreement: float) -> str:
-  """A revision setting's row: its draft threshold, and its agreement where below 1."""
-  return f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
+def revision_name(threshold: float, agreement: float, lookup: int = 0) -> str:
+  """A revision setting's row: its draft threshold, its agreement where below
+  1 and its lookup where drafts are copied."""
+  return (f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
+          + (f"+lookup{lookup}" if lookup else ""))
 
 
 def _effort(name: str) -> str:

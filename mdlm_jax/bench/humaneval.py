@@ -244,7 +244,7 @@ class EngineBackend:
                          max_queue=1 << 20, decode_dtype=decode_dtype).warmup().start()
     self.sampler = self.engine.sampler_for(effort, temperature=temperature, **overrides)
     # Infilling requests cannot be revised: they decode as the effort does without.
-    infill = {k: v for k, v in overrides.items() if k not in ("revise", "agreement")}
+    infill = {k: v for k, v in overrides.items() if k not in ("revise", "agreement", "lookup")}
     self.infill_sampler = self.engine.sampler_for(effort, temperature=temperature, revisable=False, **infill)
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:

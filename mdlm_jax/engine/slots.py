@@ -52,6 +52,9 @@ class Slots:
   filled: Int[Array, "s"]
   ahead: Int[Array, "s b"]
   n_ahead: Int[Array, "s"]
+  # The prompt's last `SlotConfig.lookup_window` tokens, right-aligned (-1
+  # before them): what revising rows copy drafts from (`rule.lookup_drafts`).
+  context: Int[Array, "s w"]
   # Grammar-constrained requests (see `guide`): the host commits their tokens.
   constrained: Bool[Array, "s"]
   cursor: Int[Array, "s"]  # first undecided column: where `allowed` applies
@@ -85,6 +88,8 @@ class SlotConfig:
   max_context: int = 0
   # Ids besides [MASK] that no pass proposes (`tokenizer.never_generated`).
   read_only_ids: tuple[int, ...] = ()
+  # The most prompt tokens (its end) that revising rows copy drafts from.
+  max_lookup_context: int = 4096
 
   @property
   def never_proposed(self) -> tuple[int, ...]:
@@ -93,6 +98,10 @@ class SlotConfig:
   @property
   def context(self) -> int:
     return self.max_context or self.max_prompt + self.max_new_tokens
+
+  @property
+  def lookup_window(self) -> int:
+    return min(self.max_prompt, self.max_lookup_context)
 
   @property
   def bitmask_words(self) -> int:
@@ -113,7 +122,8 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
                head=flags(), active=flags(), n_blocks=zeros(),
                decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
                key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), filled=zeros(),
-               ahead=jnp.zeros((s, bs), jnp.int32), n_ahead=zeros(), constrained=flags(), cursor=zeros(),
+               ahead=jnp.zeros((s, bs), jnp.int32), n_ahead=zeros(),
+               context=jnp.full((s, sc.lookup_window), -1, jnp.int32), constrained=flags(), cursor=zeros(),
                allowed=jnp.zeros((s, grammar.bitmask_words(spec.cfg.vocab_size)), jnp.uint32),
                proposal=jnp.zeros((s, bs), jnp.int32), picked=jnp.zeros((s, bs), bool), proposed=flags(),
                logp=jnp.zeros((s, g), jnp.float32), top_ids=jnp.zeros((s, g, TOP_LOGPROBS), jnp.int32),
@@ -171,7 +181,13 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
                       valid=put(c.valid, valid_row), length=put(c.length, new.length),
                       last_hidden=put(c.last_hidden, new.last_hidden))
   passes = jnp.take(slots.passes, rows, mode="fill", fill_value=0) + 1 if resume else 1
+  w = sc.lookup_window
+  before = (jnp.take(slots.context, rows, axis=0, mode="fill", fill_value=-1) if resume
+            else jnp.full((k, w), -1, jnp.int32))
+  appended = jnp.concatenate([before, jnp.where(valid_new, fixed, -1)], 1)
+  context = jax.vmap(lambda row, n: lax.dynamic_slice_in_dim(row, n, w))(appended, n_fixed)
   return slots.replace(
+      context=put(slots.context, context),
       cache=cache, gen=put(slots.gen, sc.mask_id), prompt_len=put(slots.prompt_len, gen_position),
       # A revising row always carries a head (its first, empty): it rides every pass that has them.
       block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, decoding.revise),
@@ -307,10 +323,27 @@ def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_co
     out = out.replace(logp=put(s.logp, kept_logp), top_logp=put(s.top_logp, base_top[0]),
                       top_ids=put(s.top_ids, base_top[1]))
   filled = s.filled + jnp.where(rev, v.keep, 0)
+  v = _with_lookup(sc, s.replace(gen=out.gen), v, filled)
   ended = rev & (v.ended | (filled >= s.n_blocks * bs))
   r = rev[:, None]
   return out.replace(filled=filled, ahead=jnp.where(r, v.ahead, s.ahead), n_ahead=jnp.where(rev, v.n_ahead, s.n_ahead),
                      active=out.active & ~ended, head=out.head & ~ended, passes=out.passes + rev.astype(jnp.int32))
+
+
+def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled) -> rule.Verified:
+  """Each row's next head with drafts copied from its prompt and text where
+  they outnumber the model's own (`rule.lookup_drafts`; rows whose
+  `decoding.lookup` is 0 keep theirs). Skipped when no row asks."""
+  def look():
+    w = sc.lookup_window
+    rows = jnp.arange(s.gen.shape[0])
+    gen = s.gen.at[rows, filled].set(v.ahead[:, 0], mode="drop")  # the base's next token ends the text
+    text = jnp.concatenate([s.context, gen], 1)
+    col = jnp.arange(s.gen.shape[1])[None]
+    known = jnp.concatenate([s.context >= 0, col <= filled[:, None]], 1)
+    end = jnp.minimum(w + filled, text.shape[1] - 1)
+    return rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.block_size - 1))
+  return lax.cond(jnp.any((s.decoding.lookup > 0) & s.decoding.revise & s.active), look, lambda: v)
 
 
 def _move_logits(sc: SlotConfig, s: Slots, logits):

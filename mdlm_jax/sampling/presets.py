@@ -38,7 +38,7 @@ PRESETS = {
 EFFORTS = tuple(PRESETS)
 DEFAULT_EFFORT = "medium"
 _OVERRIDES = ("steps", "block_size", "threshold", "temperature", "top_p", "min_tokens", "kv_cache",
-              "presence_penalty", "frequency_penalty", "logit_bias", "revise", "agreement")
+              "presence_penalty", "frequency_penalty", "logit_bias", "revise", "agreement", "lookup")
 
 
 def block_size_for(model_block_size: int) -> int:
@@ -99,6 +99,10 @@ BASE_FIRST_EFFORTS = ("medium", "high")
 # default's HumanEval chat answers (10 problems) 0 and 0.3 kept 1.32 tokens a
 # pass, 0.6 1.20 and 0.9 1.04: a hopeless draft costs the drafts behind it.
 DRAFT_THRESHOLD = 0.3
+# A revising pass also offers drafts copied from the prompt and the text so
+# far after this many matching tokens (`rule.lookup_drafts`) where the model's
+# own drafts are fewer.
+DRAFT_LOOKUP = 2
 
 
 def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, in_order: bool = False,
@@ -117,7 +121,8 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
   `revise` (None: as the effort has it) keeps only the drafts the base's
   own causal pass proposes too: the text is then the base's, exactly, and
   the drafts buy speed (`rule.verify`; offered from DRAFT_THRESHOLD sure
-  unless `threshold` says otherwise). `medium` and `high` revise on an
+  unless `threshold` says otherwise, and copied from earlier in the text
+  after DRAFT_LOOKUP matching tokens unless `lookup` says otherwise). `medium` and `high` revise on an
   adapted model whenever the request is `revisable`: it writes left to right
   from a prompt (no suffix to infill against, no grammar)."""
   revise = overrides.pop("revise", None)
@@ -144,5 +149,6 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
     if revise is None:
       revise = effort in BASE_FIRST_EFFORTS and revisable and changes.get("kv_cache", base.kv_cache) and block >= 2
     if revise:
-      changes.update(revise=True, threshold=changes.get("threshold", DRAFT_THRESHOLD))
+      changes.update(revise=True, threshold=changes.get("threshold", DRAFT_THRESHOLD),
+                     lookup=changes.get("lookup", DRAFT_LOOKUP))
   return dataclasses.replace(base, **changes)  # validated once, as built

@@ -63,6 +63,7 @@ class Decoding:
   in_order: Bool[Array, "b"]  # the floor's tokens are the leftmost undecided, not the most confident
   revise: Bool[Array, "b"]  # drafts kept only where the base agrees (`verify`)
   agreement: Float[Array, "b"]  # with revise: the least p(draft) / p(base's best) kept (1: its choice only)
+  lookup: Int[Array, "b"]  # with revise: > 0 offers drafts copied after this many matching tokens (`lookup_drafts`)
   steps: Int[Array, "b"]  # > 0: a block ends after this many passes, its floor spread evenly over them (`floor`)
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
@@ -75,11 +76,11 @@ class Decoding:
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False,
-                revise: bool = False, agreement: float = 1.0, steps: int = 0) -> "Decoding":
+                revise: bool = False, agreement: float = 1.0, lookup: int = 0, steps: int = 0) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
     ids, values = bias_arrays(logit_bias)
     return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool), full(revise, bool),
-               full(agreement, np.float32), full(steps, np.int32), full(temperature, np.float32),
+               full(agreement, np.float32), full(lookup, np.int32), full(steps, np.int32), full(temperature, np.float32),
                full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
 
@@ -292,6 +293,46 @@ def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, 
   nxt = jnp.where(all_held, tail[:, 0], jnp.take_along_axis(base, jnp.minimum(held + 1, t - 1)[:, None], 1)[:, 0])
   return Verified(keep, ended, jnp.concatenate([nxt[:, None], tail[:, 1:]], 1),
                   jnp.where(all_held, offer(tail_conf, threshold), 0))
+
+
+MAX_LOOKUP = 4  # the longest suffix `lookup_drafts` matches
+
+
+def lookup_drafts(text: Int[Array, "b l"], known: Bool[Array, "b l"], end: Int[Array, "b"], n,
+                  width: int) -> tuple[Int[Array, "b w"], Int[Array, "b"]]:
+  """Drafts copied from earlier in the text (prompt lookup): where the `n`
+  tokens ending at `end` (the last known position) occurred before, most
+  recently, the up to `width` tokens that followed them there. Code answers
+  restate their prompt's signatures and names, and edits copy most of their
+  input, so such drafts often hold where a model's own run out. `n` ([B]
+  array or scalar, at most MAX_LOOKUP; 0: none). Returns (drafts, count
+  [B]); count 0 where the suffix did not occur."""
+  b, length = text.shape
+  n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (b,))
+  idx = jnp.arange(length, dtype=jnp.int32)[None]
+  match = (idx < end[:, None]) & (n[:, None] > 0)
+  for j in range(MAX_LOOKUP):
+    want = jnp.take_along_axis(text, jnp.maximum(end - j, 0)[:, None], 1)
+    want_known = (end - j >= 0)[:, None] & jnp.take_along_axis(known, jnp.maximum(end - j, 0)[:, None], 1)
+    here = jnp.pad(text, ((0, 0), (j, 0)))[:, :length]  # here[p] = text[p - j]
+    here_known = jnp.pad(known, ((0, 0), (j, 0)))[:, :length]
+    ok = want_known & here_known & (here == want)
+    match &= (j >= n[:, None]) | ok
+  found = jnp.any(match, axis=1)
+  at = jnp.max(jnp.where(match, idx, -1), axis=1)  # the most recent occurrence's last position
+  lane = jnp.arange(width, dtype=jnp.int32)[None]
+  drafts = jnp.take_along_axis(text, jnp.clip(at[:, None] + 1 + lane, 0, length - 1), 1)
+  return drafts, jnp.where(found, jnp.minimum(width, end - at), 0).astype(jnp.int32)
+
+
+def with_lookup(v: "Verified", drafts: Int[Array, "b w"], count: Int[Array, "b"]) -> "Verified":
+  """The next head offers the copied drafts (`lookup_drafts`, continuing
+  from the base's next token `v.ahead[:, 0]`) where they are more than the
+  model's own: after a failed draft the model has none, and copied text is
+  often long where the model is unsure."""
+  use = count > v.n_ahead
+  ahead = jnp.concatenate([v.ahead[:, :1], drafts[:, :v.ahead.shape[1] - 1]], 1)
+  return v.replace(ahead=jnp.where(use[:, None], ahead, v.ahead), n_ahead=jnp.where(use, count, v.n_ahead))
 
 
 def allow(logits: Float[Array, "... v"], bitmask) -> Float[Array, "... v"]:

@@ -343,6 +343,10 @@ class ThresholdSampler(ConfidenceSampler):
   # the base finds it at least this share as likely as its best token
   # (`rule.verify`): more tokens a pass, text near the base's but not its own.
   agreement: float = 1.0
+  # With revise: > 0 offers drafts copied from earlier in the text where its
+  # last `lookup` tokens occurred before (`rule.lookup_drafts`), in the passes
+  # where the model's own drafts are fewer. The text stays the base's.
+  lookup: int = 0
 
   def __post_init__(self):
     super().__post_init__()
@@ -354,6 +358,10 @@ class ThresholdSampler(ConfidenceSampler):
       raise ValueError(f"agreement must be in (0, 1], got {self.agreement}")
     if self.agreement < 1.0 and not self.revise:
       raise ValueError(f"agreement={self.agreement} sets how revision verifies drafts: it needs revise=True")
+    if not 0 <= self.lookup <= rule.MAX_LOOKUP:
+      raise ValueError(f"lookup must be in [0, {rule.MAX_LOOKUP}], got {self.lookup}")
+    if self.lookup and not self.revise:
+      raise ValueError(f"lookup={self.lookup} offers copied drafts for revision to verify: it needs revise=True")
 
   def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     if self.revise:
@@ -405,6 +413,12 @@ class ThresholdSampler(ConfidenceSampler):
       toks = s["tokens"].at[rows, cols].set(jnp.where(kept, head, s["tokens"][rows, jnp.minimum(cols, L - 1)]),
                                             mode="drop")
       filled = f + v.keep
+      if self.lookup:  # the text so far and the base's next token after it
+        end = gs + filled
+        text = toks.at[rows[:, 0], end].set(v.ahead[:, 0], mode="drop")
+        col = jnp.arange(L)[None]
+        known = jnp.where(col < gs, valid, col <= end[:, None])
+        v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, bs - 1))
       rec, n = _record(s["drafts"], s["n_drafts"], toks, record, emit)
       return {"tokens": toks, "cache": pending.commit(v.keep), "filled": filled, "ahead": v.ahead,
               "n_ahead": v.n_ahead, "done": s["done"] | v.ended | (filled >= gl), "drafts": rec, "n_drafts": n,
@@ -421,7 +435,7 @@ class ThresholdSampler(ConfidenceSampler):
     return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
 
   def _order_fields(self) -> dict:
-    return {"in_order": self.in_order, "revise": self.revise, "agreement": self.agreement}
+    return {"in_order": self.in_order, "revise": self.revise, "agreement": self.agreement, "lookup": self.lookup}
 
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len

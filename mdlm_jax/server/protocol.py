@@ -13,7 +13,7 @@ from typing import Any
 
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
 from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
-from mdlm_jax.sampling.rule import MAX_LOGIT_BIAS
+from mdlm_jax.sampling.rule import MAX_LOGIT_BIAS, MAX_LOOKUP
 from mdlm_jax.sampling.samplers import RULES
 
 
@@ -65,11 +65,12 @@ class Sampling:
   sampler: str | None = None  # a rule of samplers.RULES instead of the effort's threshold rule
   steps: int | None = None  # low_confidence: passes per block
   agreement: float | None = None  # with revise: drafts the base rates this near its best are kept too
+  lookup: int | None = None  # with revise: drafts copied after this many matching tokens (None: the effort's)
 
   def rule(self) -> dict:
     """The rule's name and settings as `presets.for_model` takes them."""
     return {"sampler": self.sampler, "steps": self.steps, "temperature": self.temperature, "top_p": self.top_p,
-            "revise": self.revise, "agreement": self.agreement, **self.moves()}
+            "revise": self.revise, "agreement": self.agreement, "lookup": self.lookup, **self.moves()}
 
   def moves(self) -> dict:
     """The logit moves as sampler settings (`presets.sampler_for` overrides)."""
@@ -159,9 +160,15 @@ def parse_sampling(body: dict, limits: Limits, *, default_max_tokens: int, max_t
       raise _bad("agreement", f"must be in (0, 1], got {agreement}")
     if agreement < 1.0 and revise is not True:
       raise _bad("agreement", "sets which drafts revision keeps: it needs revise=true")
+  lookup = _get(body, "lookup", int, None)
+  if lookup is not None:
+    if not 0 <= lookup <= MAX_LOOKUP:
+      raise _bad("lookup", f"must be in [0, {MAX_LOOKUP}], got {lookup}")
+    if lookup and revise is not True:
+      raise _bad("lookup", "offers copied drafts for revision to verify: it needs revise=true")
   return Sampling(max_tokens, temperature, top_p, seed, stop, n, stream, include_usage, effort, diffusing, user,
                   logit_bias=parse_logit_bias(body), revise=revise, sampler=sampler, steps=steps, agreement=agreement,
-                  **penalties)
+                  lookup=lookup, **penalties)
 
 
 MAX_STEPS = 1024
@@ -378,7 +385,7 @@ def require_object(body: Any) -> dict:
 # (what `extra_body` sends from the official client).
 GUIDANCE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 LOGIT_MOVES = ("presence_penalty", "frequency_penalty", "logit_bias")
-RULE_FIELDS = ("revise", "agreement", "sampler", "steps")
+RULE_FIELDS = ("revise", "agreement", "lookup", "sampler", "steps")
 ENDPOINT_FIELDS = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
              "stream", "stream_options", "reasoning_effort", "diffusing", "user", "tools", "tool_choice",

@@ -84,3 +84,23 @@ def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
   h = engine.submit(Request(engine.encode(PROMPTS[1]), 12, sampler, seed=1))
   want = Generator(models[1]).generate([PROMPTS[1]], max_new_tokens=12, seed=1, sampler=sampler).completions[0]
   assert h.result(timeout=300).text == want.text
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
+  """With lookup the engine copies from the prompt it was given (whole or in chunks) and the text so far,
+  as the one-shot generator does: the same text (the base's) in the same passes."""
+  ar, adapted = models
+  prompt, n = "x = 1\n" * 8, 16
+  e = Engine(adapted, num_slots=1, max_prompt=64, max_new_tokens=n, prefill_chunk=chunk).start()
+  try:
+    sampler = e.sampler_for("medium", revise=True, temperature=0.0, lookup=1)
+    got = e.submit(Request(e.encode(prompt), n, sampler, seed=0)).result(timeout=300)
+  finally:
+    e.close(deadline_s=1)
+  want = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=sampler)
+  own = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=dataclasses.replace(sampler, lookup=0))
+  base = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  assert got.text == want.completions[0].text == own.completions[0].text == base.completions[0].text
+  chunks = -(-len(e.encode(prompt)) // chunk) if chunk else 1  # each prefill chunk counts as a pass
+  assert got.passes - (chunks - 1) == want.forward_passes < own.forward_passes

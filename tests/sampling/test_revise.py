@@ -11,6 +11,7 @@ from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import bind
 from mdlm_jax.sampling.ar import ARSampler
 from mdlm_jax.sampling.generate import ARGenerator, Generator
+from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.samplers import Layout, ThresholdSampler
 from tests.conftest import adapted_from
 
@@ -145,15 +146,15 @@ def test_with_agreement_every_kept_token_is_one_the_base_rates_near_its_best(tin
       assert row[tok] - row.max() >= np.log(agreement) - 1e-3, (j, tok)
 
 
-@pytest.mark.parametrize("block_size", [pytest.param(2, marks=pytest.mark.slow), 4])
-def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size):
-  """Random adapters draft noise; the text is still the base's, token for token."""
+@pytest.mark.parametrize("block_size, lookup", [pytest.param(2, 0, marks=pytest.mark.slow), (4, 0), (4, 2)])
+def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size, lookup):
+  """Random adapters draft noise, copied drafts may be wrong; the text is still the base's, token for token."""
   ar = checkpoints.load(tiny_checkpoints["ar"])
   adapted = adapted_from(ar, block_size=block_size)
   prompts = ["def add(a, b):\n", "x = 1\ny"]
   n = 24
   want = ARGenerator(ar).generate(prompts, max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
-  got = Generator(adapted).generate(prompts, max_new_tokens=n, sampler=revising(block_size))
+  got = Generator(adapted).generate(prompts, max_new_tokens=n, sampler=revising(block_size, lookup=lookup))
   for w, g in zip(want.completions, got.completions):
     assert g.tokens == w.tokens
   assert got.forward_passes <= n + 1
@@ -176,3 +177,64 @@ def test_logit_bias_moves_the_base_as_the_ar_sampler_moves_it(tiny_checkpoints):
   got = Generator(adapted_from(ar, block_size=4)).generate([prompt], max_new_tokens=n,
                                                              sampler=revising(4, logit_bias=bias))
   assert got.completions[0].tokens == want.completions[0].tokens and first not in got.completions[0].tokens
+
+
+def _lookup_reference(text, known, end, n, width):
+  """The most recent earlier occurrence of text[end - n + 1 : end + 1], in plain Python."""
+  if n == 0 or end - n + 1 < 0 or not all(known[end - j] for j in range(n)):
+    return [], 0
+  suffix = list(text[end - n + 1:end + 1])
+  for p in range(end - 1, n - 2, -1):
+    if all(known[p - j] for j in range(n)) and list(text[p - n + 1:p + 1]) == suffix:
+      count = min(width, end - p)
+      return list(text[p + 1:p + 1 + count]), count
+  return [], 0
+
+
+def test_lookup_drafts_copy_what_followed_the_last_occurrence():
+  rng = np.random.default_rng()
+  b, length, width = 64, 40, 3
+  text = rng.integers(0, 4, (b, length))  # a small vocabulary: suffixes recur
+  known = np.ones((b, length), bool)
+  for i, pad in enumerate(rng.integers(0, 10, b)):
+    known[i, :pad] = False  # left padding
+    text[i, :pad] = rng.integers(0, 4, pad)  # which must never match
+  end = rng.integers(0, length, b)
+  n = rng.integers(0, rule.MAX_LOOKUP + 1, b)
+  drafts, count = rule.lookup_drafts(jnp.asarray(text), jnp.asarray(known), jnp.asarray(end), jnp.asarray(n), width)
+  found = 0
+  for i in range(b):
+    want, c = _lookup_reference(text[i], known[i], end[i], n[i], width)
+    assert int(count[i]) == c, i
+    np.testing.assert_array_equal(np.asarray(drafts[i, :c]), want)
+    found += c > 0
+  assert 0 < found < b
+
+
+def test_a_next_head_takes_the_copied_drafts_where_they_are_more():
+  v = rule.Verified(keep=jnp.array([1, 1, 1]), ended=jnp.zeros(3, bool), ahead=jnp.array([[5, 1, 1, 1]] * 3),
+                    n_ahead=jnp.array([0, 2, 3]))
+  out = rule.with_lookup(v, jnp.array([[7, 8, 9]] * 3), jnp.array([2, 2, 3]))
+  np.testing.assert_array_equal(np.asarray(out.n_ahead), [2, 2, 3])
+  np.testing.assert_array_equal(np.asarray(out.ahead), [[5, 7, 8, 9], [5, 1, 1, 1], [5, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("lookup, passes", [
+    (0, 13),  # no drafts offered: one token a pass after the prompt's
+    # 5, 6, 7, 8 alone; then 5's earlier follower 6 7 8 is offered: 5-8, then 5-8 again
+    (1, 7),
+    # 5-8 and 5 alone (no earlier "8 5"); 6 after "5 6" at 0-1: 6 7 8 5, again 6 7 8 5, then room for 3
+    (2, 8),
+])
+def test_copied_drafts_hold_where_the_text_repeats(lookup, passes):
+  text = np.array([5, 6, 7, 8] * 3)
+  out, nfe = _decode(text, range(20), 4, threshold=1.0, lookup=lookup)  # the model's drafts never offered
+  np.testing.assert_array_equal(out, text)
+  assert nfe == passes
+
+
+def test_lookup_needs_revision_and_a_short_suffix():
+  with pytest.raises(ValueError, match="needs revise=True"):
+    ThresholdSampler(lookup=2)
+  with pytest.raises(ValueError, match="lookup must be in"):
+    revising(lookup=rule.MAX_LOOKUP + 1)

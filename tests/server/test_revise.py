@@ -46,3 +46,17 @@ def test_revise_where_it_cannot_work_is_a_400_naming_it(served):
                                                "response_format": {"type": "json_object"}})):
     r = http.post(path, json={"model": model, "max_tokens": 8, "revise": True, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == "revise", r.text
+
+
+def test_lookup_copies_drafts_for_revision_and_is_refused_without_it(served, tiny_checkpoints):
+  http, model = served
+  prompt = "x = 1\n" * 6
+  want = ARGenerator(checkpoints.load(tiny_checkpoints["ar"])).generate(
+      [prompt], max_new_tokens=12, sampler=ARSampler(12, temperature=0.0)).completions[0].text
+  body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+  r = http.post("/v1/completions", json={**body, "revise": True, "lookup": 1})
+  assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+  for bad in ({"revise": True, "lookup": 5}, {"lookup": 2}, {"revise": False, "lookup": 1},
+              {"revise": True, "lookup": 1.5}):
+    r = http.post("/v1/completions", json={**body, **bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lookup", (bad, r.text)
