@@ -7,7 +7,8 @@ float32 copy of the weight first, every pass), so on CPU the product runs in a
 small C++ kernel (`int8_matmul.cc`) called through the XLA FFI. The kernel
 forms integer dot products: each token row is rounded to int16 with its own
 scale (a relative error of at most 2^-16 of the row's largest magnitude), and
-its sums with the int8 weights are exact. Widening the weights to float32
+its sums with the int8 weights are exact. It reads the weights in tiles of
+32 output rows (`tile_weights`, made once by `quantize`). Widening the weights to float32
 instead made the kernel bound by instructions, not bytes. It is compiled on
 first use with the machine's C++ compiler (`$CXX`, else g++) into the cache
 folder; without a compiler, and on other backends, the product is XLA's
@@ -28,10 +29,11 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int8, Int32
 
-# Up to this many token rows the kernel serves the product (16 rows a read of
+# Up to this many token rows the kernel serves the product (8 rows a read of
 # the weights); past it XLA's convert-then-dot. SmolLM2's products at 32 rows
 # (2026-11-26): the kernel 61 ms, XLA on the converted weights 221, float32
 # weights 75; at 64 rows 128, 249 and 125. Decoding copies serve at most 64
@@ -71,6 +73,26 @@ def join_adapters(adapters: list[tuple[Array, Array]], scale: float) -> LowRank:
   return LowRank(at, bt, ends)
 
 
+KERNEL_TILE = 32  # output rows a tile holds (the kernel's kTile)
+KERNEL_PAD = 8  # a tile's columns are padded to a multiple of this (kPad)
+
+
+def tile_weights(q2d: Int8[Array, "n k"]) -> Int8[Array, "t p 32 2"]:
+  """An [out, in] int8 weight in the kernel's layout: tiles of KERNEL_TILE
+  output rows, each tile [column pairs, rows, 2] (row o's columns 2i and
+  2i + 1 side by side at [i, o]), rows and columns padded with zeros."""
+  n, k = q2d.shape
+  t, kp = -(-n // KERNEL_TILE), -(-k // KERNEL_PAD) * KERNEL_PAD
+  q = jnp.pad(q2d, ((0, t * KERNEL_TILE - n), (0, kp - k)))
+  return q.reshape(t, KERNEL_TILE, kp // 2, 2).transpose(0, 2, 1, 3)
+
+
+def untile_weights(tiles: Int8[Array, "t p 32 2"], n: int, k: int) -> Int8[Array, "n k"]:
+  """The [out, in] weight `tile_weights` made `tiles` from."""
+  t, pairs = tiles.shape[:2]
+  return tiles.transpose(0, 2, 1, 3).reshape(t * KERNEL_TILE, 2 * pairs)[:n, :k]
+
+
 @struct.dataclass
 class QuantizedWeight:
   """A weight stored [out..., in...] as int8 `q` and the float32 `scale` of
@@ -80,11 +102,16 @@ class QuantizedWeight:
   value), so it answers `w[...]`, `.shape` and a `.reshape` to the 2-D
   [out, in] form the product takes. `adapters`, when set, are low-rank
   adapters over its output rows that the product applies to chosen token
-  rows in the same call."""
+  rows in the same call. `tiles` (`tile_weights` of the [out, in] form) are
+  what the CPU kernel reads; a weight only multiplied holds them alone
+  (`without_rows`: `q` None, its shape kept), one also gathered from (an
+  embedding table) both."""
 
-  q: Int8[Array, "..."]
+  q: Int8[Array, "..."] | None
   scale: Float[Array, "..."]
   adapters: LowRank | None = None
+  tiles: Int8[Array, "t p 32 2"] | None = None
+  stored_shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
   def __getitem__(self, index):
     if index is not Ellipsis:
@@ -93,23 +120,40 @@ class QuantizedWeight:
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return self.q.shape
+    return tuple(self.q.shape) if self.q is not None else self.stored_shape
 
   @property
   def ndim(self) -> int:
-    return self.q.ndim
+    return len(self.shape)
+
+  def without_rows(self) -> "QuantizedWeight":
+    """The same weight holding only its tiles (a weight no pass gathers from)."""
+    tiles = self.tiles if self.tiles is not None else tile_weights(self.matrix())
+    return self.replace(q=None, tiles=tiles, stored_shape=self.shape)
+
+  def matrix(self) -> Int8[Array, "n k"]:
+    """The int8 values in the [out, in] form."""
+    n = self.scale.size
+    if self.q is not None:
+      return self.q.reshape(n, -1)
+    return untile_weights(self.tiles, n, int(np.prod(self.shape)) // n)
 
   def reshape(self, *shape) -> "QuantizedWeight":
     """The [out, in] matrix form: its rows must be the output rows."""
-    q = self.q.reshape(*shape)
-    if q.ndim != 2 or q.shape[0] != self.scale.size:
-      raise ValueError(f"a QuantizedWeight of {self.q.shape} reshapes to [out, in] with {self.scale.size} rows,"
-                       f" not {q.shape}")
-    return QuantizedWeight(q, self.scale.reshape(-1), self.adapters)
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    total = int(np.prod(self.shape))
+    known = int(np.prod([d for d in shape if d != -1]))
+    new = tuple(total // max(known, 1) if d == -1 else int(d) for d in shape)
+    if len(new) != 2 or new[0] != self.scale.size or int(np.prod(new)) != int(np.prod(self.shape)):
+      raise ValueError(f"a QuantizedWeight of {self.shape} reshapes to [out, in] with {self.scale.size} rows,"
+                       f" not {shape}")
+    q = None if self.q is None else self.q.reshape(new)
+    return self.replace(q=q, scale=self.scale.reshape(-1), stored_shape=() if q is not None else new)
 
   def dequantize(self, dtype=jnp.float32) -> Array:
-    scale = self.scale.reshape(self.scale.shape + (1,) * (self.q.ndim - self.scale.ndim))
-    return (self.q.astype(jnp.float32) * scale).astype(dtype)
+    q = self.matrix().reshape(self.shape)
+    scale = self.scale.reshape(self.scale.shape + (1,) * (q.ndim - self.scale.ndim))
+    return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 def quantize(w: Float[Array, "..."], out_dims: int = 1) -> QuantizedWeight:
@@ -120,7 +164,7 @@ def quantize(w: Float[Array, "..."], out_dims: int = 1) -> QuantizedWeight:
   amax = jnp.max(jnp.abs(w), axis=axes)
   scale = jnp.where(amax > 0, amax / 127.0, 1.0)
   q = jnp.clip(jnp.round(w / scale.reshape(scale.shape + (1,) * len(axes))), -127, 127).astype(jnp.int8)
-  return QuantizedWeight(q, scale)
+  return QuantizedWeight(q, scale, tiles=tile_weights(q.reshape(scale.size, -1)))
 
 
 ACTIVATION_MAX = 32767.0
@@ -140,8 +184,8 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
   [tokens, out], float32. With `w.adapters`, the token rows `adapter_rows`
   says (None: all, False: none) also get the adapters' update, formed from the
   unrounded rows in float32."""
-  if w.q.ndim != 2:
-    raise ValueError(f"int8_matmul takes a 2-D [out, in] weight, got {w.q.shape}")
+  if w.ndim != 2:
+    raise ValueError(f"int8_matmul takes a 2-D [out, in] weight, got {w.shape}")
   x2d = x2d.astype(jnp.float32)
   ad = None if adapter_rows is False else w.adapters
   rows = None
@@ -157,11 +201,12 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
   # Decided while tracing, not with lax.platform_dependent: its conditional
   # around every product kept XLA:CPU from running the passes at speed.
   if x2d.shape[0] > KERNEL_MAX_ROWS or jax.default_backend() != "cpu" or not native_kernel_ready():
-    return with_xla(x2d, w.q, w.scale)
-  out = jax.ShapeDtypeStruct((x2d.shape[0], w.q.shape[0]), jnp.float32)
+    return with_xla(x2d, w.matrix(), w.scale)
+  out = jax.ShapeDtypeStruct((x2d.shape[0], w.shape[0]), jnp.float32)
+  tiles = w.tiles if w.tiles is not None else tile_weights(w.q)  # made here, every call, for a bare weight
   if ad is None:
-    return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, w.q, w.scale)
-  return jax.ffi.ffi_call(LORA_FFI_TARGET, out)(x2d, w.q, w.scale, ad.at, ad.bt, ad.ends, rows)
+    return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, tiles, w.scale)
+  return jax.ffi.ffi_call(LORA_FFI_TARGET, out)(x2d, tiles, w.scale, ad.at, ad.bt, ad.ends, rows)
 
 
 _lock = threading.Lock()

@@ -36,17 +36,24 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 def weight_bytes(params, cfg) -> int:
   """Bytes of weights one pass reads: every array of the model, but an
   untied token embedding, of which a pass gathers only its tokens' rows
-  (a tied one is the output head too, read whole), and adapters' own
-  params where int8 weights carry them joined (a pass reads those copies)."""
+  (a tied one is the output head too, read whole), adapters' own params
+  where int8 weights carry them joined (a pass reads those copies), and of
+  an int8 weight the layout its product reads (the kernel's tiles where it
+  has them, not also `q`)."""
   from mdlm_jax import kernels
-  is_q = lambda x: isinstance(x, kernels.QuantizedWeight)
+  is_q = lambda x: isinstance(x, kernels.QuantizedWeight)  # noqa: E731
   joined = any(is_q(x) and x.adapters is not None for x in jax.tree.leaves(params, is_leaf=is_q))
+  nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
   total = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
     name = jax.tree_util.keystr(path)
-    untied_table = not cfg.tie_embeddings and "embedding" in name
-    if not untied_table and not (joined and "lora_" in name):
-      total += int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    if (not cfg.tie_embeddings and "embedding" in name) or (joined and "lora_" in name):
+      continue
+    if is_q(leaf):
+      read = [leaf.q if leaf.tiles is None else leaf.tiles, leaf.scale]
+      total += sum(nbytes(x) for x in read + jax.tree.leaves(leaf.adapters))
+    else:
+      total += nbytes(leaf)
   return total
 
 

@@ -363,14 +363,16 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
   low-rank adapters are also joined into the weights they adapt
   (`kernels.join_adapters`: q, k and v's into the joined q/k/v weight, gate
   and up's into theirs), so that each product applies them in the same call;
-  the adapters' own params stay for the float32 copy."""
+  the adapters' own params stay for the float32 copy. Each weight is held
+  once, in the layout its use reads: the CPU kernel's tiles for a product,
+  rows for the embedding's gather (a tied table, the head too, holds both)."""
   if cfg.weight_layout != "out_in":
     raise ValueError(f"int8 decoding weights are stored [out, in]: convert the model to weight_layout='out_in'"
                      f" first (it is {cfg.weight_layout!r})")
   scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
 
   def quantized(w, out_dims, group, names):
-    qw = kernels.quantize(w, out_dims=out_dims)
+    qw = kernels.quantize(w, out_dims=out_dims).without_rows()
     loras = [group[n] for n in names if n in group]
     return qw.replace(adapters=kernels.join_adapters([(a["a"], a["b"]) for a in loras], scale)) if loras else qw
 
@@ -382,9 +384,10 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
     mlp.update(w_in=quantized(mlp["w_in"], 2, mlp, ("lora_gate", "lora_up")),
                w_down=quantized(mlp["w_down"], 1, mlp, ("lora_down",)))
     out["blocks"][i] = dict(block, attn=attn, mlp=mlp)
-  out["embedding"] = kernels.quantize(params["embedding"], out_dims=1)
+  table = kernels.quantize(params["embedding"], out_dims=1)
+  out["embedding"] = table if "head" not in params else table.replace(tiles=None)
   if "head" in params:
-    out["head"] = kernels.quantize(params["head"], out_dims=1)
+    out["head"] = kernels.quantize(params["head"], out_dims=1).without_rows()
   return out
 
 

@@ -39,10 +39,10 @@ def rows_rounded_to_int16(x):
   return np.clip(np.round(x / xs[:, None]), -32767, 32767).astype(np.int64), xs
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 5])
 def test_int8_matmul_equals_the_exact_integer_product_of_the_rounded_rows(rows):
   rng, seed = fresh_rng()
-  # widths past and short of the kernel's 32 columns a step, magnitudes that differ by row
+  # widths that pad the kernel's tiles of 32 output rows and its columns, magnitudes that differ by row
   k, n = int(rng.integers(20, 700)), int(rng.integers(20, 300))
   qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32))
   x = (rng.normal(size=(rows, k)) * rng.uniform(0.01, 100, size=(rows, 1))).astype(np.float32)
@@ -91,10 +91,10 @@ def test_joined_adapters_add_their_update_to_the_chosen_rows_only(rows, kernel, 
 
 def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
   # 8,448 columns of the largest magnitudes: each int32 lane of the kernel's sum
-  # (two products a step of 32 columns) would pass 2^31 were it not emptied into
-  # int64 totals every 8,192 columns, and the sum itself is past int32.
+  # (one column pair's two products a step) would pass 2^31 after 258 pairs were
+  # it not emptied into int64 totals every 256, and the sum itself is past int32.
   k = 8448
-  qw = kernels.QuantizedWeight(jnp.full((3, k), 127, jnp.int8), jnp.ones((3,), jnp.float32))
+  qw = kernels.QuantizedWeight(jnp.full((3, k), 127, jnp.int8), jnp.ones((3,), jnp.float32))  # tiled per call
   x = np.zeros((2, k), np.float32)
   x[1] = 1.0
   got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw))
@@ -114,14 +114,15 @@ def test_the_kernel_built_without_vnni_forms_the_same_exact_sums(tmp_path, monke
   lib = ctypes.cdll.LoadLibrary(int8._build(("-mno-avx512vnni",)))
   jax.ffi.register_ffi_target("test_int8_matmul_plain", jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
   rng, seed = fresh_rng()
-  k, n, rows = int(rng.integers(2000, 9000)), int(rng.integers(3, 40)), int(rng.integers(1, 6))
+  k, n, rows = int(rng.integers(2000, 9000)), int(rng.integers(3, 70)), int(rng.integers(1, 12))
   q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
   q[0] = 127
   scale = rng.uniform(0.5, 2, size=n).astype(np.float32)
   x = rng.normal(size=(rows, k)).astype(np.float32)
   x[0] = np.abs(x[0])  # with row 0 of q, a sum of the largest products
   out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
-  got = np.asarray(jax.ffi.ffi_call("test_int8_matmul_plain", out)(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
+  tiles = kernels.tile_weights(jnp.asarray(q))
+  got = np.asarray(jax.ffi.ffi_call("test_int8_matmul_plain", out)(jnp.asarray(x), tiles, jnp.asarray(scale)))
   xq, xs = rows_rounded_to_int16(x)
   want = (xq @ q.astype(np.int64).T) * xs[:, None].astype(np.float64) * scale.astype(np.float64)[None, :]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"seed {seed}")
@@ -144,3 +145,36 @@ def test_a_quantized_weight_reshapes_only_to_its_rows():
   assert flat.shape == (12, 10) and flat.scale.shape == (12,)
   with pytest.raises(ValueError, match="12 rows"):
     qw.reshape(3, 40)
+
+
+def test_tiles_hold_each_rows_column_pairs_side_by_side():
+  rng = np.random.default_rng()
+  n, k = int(rng.integers(1, 100)), int(rng.integers(1, 50))
+  q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+  tiles = np.asarray(kernels.tile_weights(jnp.asarray(q)))
+  t, kp = -(-n // 32), -(-k // 8) * 8
+  assert tiles.shape == (t, kp // 2, 32, 2)
+  padded = np.zeros((t * 32, kp), np.int8)
+  padded[:n, :k] = q
+  for o in range(t * 32):
+    for c in range(kp):
+      assert tiles[o // 32, c // 2, o % 32, c % 2] == padded[o, c]
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_weight_holding_only_its_tiles_is_the_same_weight(kernel, monkeypatch):
+  if not kernel:
+    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  rng = np.random.default_rng()
+  heads, dim, k = int(rng.integers(1, 5)), int(rng.integers(1, 40)), int(rng.integers(1, 90))
+  qw = kernels.quantize(jnp.asarray(rng.normal(size=(heads, dim, k)), jnp.float32), out_dims=2)
+  tiled = qw.without_rows()
+  assert tiled.q is None and tiled.shape == (heads, dim, k) and tiled.ndim == 3
+  np.testing.assert_array_equal(np.asarray(tiled.matrix()), np.asarray(qw.q).reshape(heads * dim, k))
+  np.testing.assert_array_equal(np.asarray(tiled.dequantize()), np.asarray(qw.dequantize()))
+  assert tiled.reshape(heads * dim, -1).shape == (heads * dim, k)
+  with pytest.raises(ValueError, match="reshapes to \\[out, in\\]"):
+    tiled.reshape(-1)
+  x = jnp.asarray(rng.normal(size=(3, k)), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(kernels.int8_matmul(x, tiled.reshape(heads * dim, k))),
+                                np.asarray(kernels.int8_matmul(x, qw.reshape(heads * dim, k))))
