@@ -86,7 +86,7 @@ def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
   assert h.result(timeout=300).text == want.text
 
 
-@pytest.mark.parametrize("chunk", [0, 16])
+@pytest.mark.parametrize("chunk", [0, pytest.param(16, marks=pytest.mark.slow)])
 def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
   """With lookup the engine copies from the prompt it was given (whole or in chunks) and the text so far,
   as the one-shot generator does: the same text (the base's) in the same passes."""

@@ -16,14 +16,14 @@ SC = types.SimpleNamespace(num_slots=3, max_prompt=8, block_size=4, bitmask_word
 
 def samplers_unlike_the_default(rng) -> list:
   """Every travelling field of every rule the engine serves away from its default, in one sampler or
-  another (revise excludes the fused head; agreement goes with revise): a field the encoding forgot comes
+  another (revise excludes the fused head; agreement and lookup go with revise): a field the encoding forgot comes
   back wrong."""
   out = []
   for kind in RULES.values():
     changes = _changed_fields(kind, rng)
     apart = [f for f in ("revise", "fused_head") if f in changes] or [None]
     for other in apart:
-      left_out = {other, "agreement"} if other == "revise" else {other}
+      left_out = {other, "agreement", "lookup"} if other == "revise" else {other}
       out.append(kind(block_size=SC.block_size, kv_cache=True,
                       **{k: v for k, v in changes.items() if k not in left_out}))
   return out
