@@ -8,8 +8,9 @@ Implementations:
   and from CHUNKED_FROM queries (or a KV cache of CHUNKED_CACHE_FROM slots)
   the chunked online-softmax attention, whose memory grows linearly with the
   sequence (forward and backward). `cache_attention` reads a long KV cache
-  in its stored layout, in place, so a decoding pass costs the filled
-  prefix, not a copy of the whole buffer.
+  in its stored layout, in place, and a shorter one up to a power-of-two
+  span past the furthest filled slot, so a decoding pass costs about the
+  filled prefix, not the whole buffer.
 - "pallas": the Pallas kernel for the running backend on GPU (Triton) and TPU
   (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
@@ -29,7 +30,10 @@ CPU through the XLA FFI (`int8.py`), XLA elsewhere.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
@@ -194,22 +198,50 @@ def cache_attention(q, k_cache, v_cache, *, layer=None, causal: bool = False,
   and `.v`) with `layer` the one to read; the queries' b rows read the
   buffers' first b rows. Where the chunked attention would
   read a long cache, it reads these buffers in place, up to the filled
-  prefix's last tile; otherwise `attention` over [b, s, g, d] views of the
-  layer."""
+  prefix's last tile. Otherwise `attention` over [b, s, g, d] views of the
+  layer, cut to the shortest of `read_spans(s)` that holds every slot a
+  query may read (a "prefix" mask's furthest end, found on the device): a
+  decoding pass early in a long buffer reads and copies its filled start,
+  not the whole buffer, and compiles one branch per span."""
   mesh = jax.sharding.get_abstract_mesh()
   s = v_cache.shape[-2]
-  in_place = (not causal and isinstance(mask, AttentionMask) and mask.kind == "prefix" and s >= CHUNKED_CACHE_FROM
-              and implementation != "reference" and _kernel_target(implementation) is None
-              and sequence_shards(mesh, q.shape[1], s) <= 1)
-  if in_place:
+  prefix = not causal and isinstance(mask, AttentionMask) and mask.kind == "prefix"
+  on_xla = implementation != "reference" and _kernel_target(implementation) is None
+  unsharded = sequence_shards(mesh, q.shape[1], s) <= 1
+  if prefix and on_xla and unsharded and s >= CHUNKED_CACHE_FROM:
     return chunked_cache_attention(q, k_cache, v_cache, mask, layer=layer)
   b = q.shape[0]
-  if layer is not None:
-    k_cache, v_cache = k_cache[layer, :b], v_cache[layer, :b]
-  elif k_cache.shape[0] != b:
-    k_cache, v_cache = k_cache[:b], v_cache[:b]
-  return attention(q, k_cache.transpose(0, 3, 1, 2), v_cache.transpose(0, 2, 1, 3), causal=causal, mask=mask,
-                   implementation=implementation, block_sizes=block_sizes)
+
+  def read(span, q, k_cache, v_cache, mask):
+    if layer is not None:
+      k_cache, v_cache = k_cache[layer], v_cache[layer]
+    k_cache, v_cache = k_cache[:b, :, :, :span], v_cache[:b, :, :span]
+    if isinstance(mask, AttentionMask) and mask.kv_valid is not None:
+      mask = mask.replace(kv_valid=mask.kv_valid[:, :span])
+    return attention(q, k_cache.transpose(0, 3, 1, 2), v_cache.transpose(0, 2, 1, 3), causal=causal, mask=mask,
+                     implementation=implementation, block_sizes=block_sizes)
+
+  spans = read_spans(s) if prefix and on_xla and unsharded else (s,)
+  if len(spans) == 1:
+    return read(s, q, k_cache, v_cache, mask)
+  reach = jnp.max(mask.q_end)  # one past the furthest slot any query reads
+  index = jnp.sum(reach > jnp.asarray(spans[:-1], jnp.int32))
+  return jax.lax.switch(index, [functools.partial(read, span) for span in spans], q, k_cache, v_cache, mask)
+
+
+# A KV cache buffer shorter than CHUNKED_CACHE_FROM is read up to the first
+# of these powers of two (from CACHE_SPAN_MIN) that holds the filled slots.
+CACHE_SPAN_MIN = 256
+
+
+def read_spans(s: int) -> tuple[int, ...]:
+  """The lengths `cache_attention` may cut an s-slot buffer to: powers of two
+  from CACHE_SPAN_MIN below s, then s."""
+  spans, span = [], CACHE_SPAN_MIN
+  while span < s:
+    spans.append(span)
+    span *= 2
+  return (*spans, s)
 
 
 def _shard_axes(mesh, q, k):
@@ -236,7 +268,7 @@ def _per_shard(fn, q, k, v, mask: AttentionMask):
 
 
 __all__ = ["attention", "cache_attention", "attention_reference", "chunked_attention", "chunked_cache_attention",
-           "CHUNKED_FROM", "CHUNKED_CACHE_FROM",
+           "CHUNKED_FROM", "CHUNKED_CACHE_FROM", "CACHE_SPAN_MIN", "read_spans",
            "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes",

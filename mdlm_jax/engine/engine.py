@@ -630,7 +630,12 @@ class Engine:
     if rows:
       mask = np.zeros(self.num_slots, bool)
       mask[list(rows)] = True
-      self._state = self._state.replace(active=_clear_rows(self._state.active, mask))
+      # A freed row's fill point goes back to 0: its idle passes then read
+      # nothing, and attention's span (`kernels.read_spans`) follows the
+      # requests still decoding, not the longest that ever held a slot.
+      cache = self._state.cache
+      self._state = self._state.replace(active=_clear_rows(self._state.active, mask),
+                                        cache=cache.replace(length=_zero_rows(cache.length, mask)))
 
   def _gather(self, guided: bool = False, logprobs: bool = False):
     """Host copies of what a publish reads, from every process's rows (after
@@ -713,6 +718,10 @@ def _row_sharding(mesh, x: Any, num_slots: int):
 @jax.jit
 def _clear_rows(active, mask):
   return active & ~mask
+
+
+def _zero_rows(length, mask):
+  return jax.numpy.where(mask, 0, length)
 
 
 def _place(x: np.ndarray, sharding) -> jax.Array:

@@ -352,10 +352,15 @@ def _move_logits(sc: SlotConfig, s: Slots, logits):
   d = s.decoding
   asks = (d.presence_penalty != 0) | (d.frequency_penalty != 0) | jnp.any(d.bias_ids != rule.NO_BIAS_ID, axis=-1)
 
-  def moved():
+  def moves():
     counts = rule.token_counts(s.gen, s.gen != sc.mask_id, logits.shape[-1])
-    return rule.penalize(logits, counts, d.presence_penalty, d.frequency_penalty, d.bias_ids, d.bias)
-  return lax.cond(jnp.any(asks & s.active), moved, lambda: logits.astype(jnp.float32))
+    return rule.penalty(counts, d.presence_penalty, d.frequency_penalty, d.bias_ids, d.bias)
+
+  # Only the [s, v] move is chosen by the branch: the [s, t, v] logits are
+  # not copied out of it, and the sum fuses into what reads them next.
+  b, _, v = logits.shape
+  delta = lax.cond(jnp.any(asks & s.active), moves, lambda: jnp.zeros((b, v), jnp.float32))
+  return logits.astype(jnp.float32) + delta[:, None, :]
 
 
 def top_logprobs_of(logits, never: tuple[int, ...]):

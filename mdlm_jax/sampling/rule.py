@@ -106,12 +106,17 @@ def penalize(logits: Float[Array, "b t v"], counts: Float[Array, "b v"], presenc
   """float32 logits moved as OpenAI's API moves them, per row:
   logit[v] + bias[v] - presence_penalty * [count[v] > 0] - frequency_penalty * count[v].
   Penalties are [B] arrays or scalars; the same move for every position of a row."""
-  b, _, v = logits.shape
+  return logits.astype(jnp.float32) + penalty(counts, presence_penalty, frequency_penalty, bias_ids, bias)[:, None, :]
+
+
+def penalty(counts: Float[Array, "b v"], presence_penalty, frequency_penalty, bias_ids: Int[Array, "b k"],
+            bias: Float[Array, "b k"]) -> Float[Array, "b v"]:
+  """What `penalize` adds to each row's logits."""
+  b, v = counts.shape
   dense = jax.vmap(lambda i, x: jnp.zeros((v,), jnp.float32).at[i].add(x, mode="drop"))(
       jnp.asarray(bias_ids, jnp.int32), jnp.asarray(bias, jnp.float32))
   per_row = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b,))[:, None]  # noqa: E731
-  delta = dense - per_row(presence_penalty) * (counts > 0) - per_row(frequency_penalty) * counts
-  return logits.astype(jnp.float32) + delta[:, None, :]
+  return dense - per_row(presence_penalty) * (counts > 0) - per_row(frequency_penalty) * counts
 
 
 def pass_keys(key_data: jax.Array, *ids) -> jax.Array:
@@ -144,9 +149,15 @@ def noise_words(keys: jax.Array, columns, vocab: int) -> jax.Array:
 
 
 def exclude(logits, ids: tuple[int, ...]):
-  """float32 logits with `ids` at NEG_INF: tokens no pass proposes."""
+  """float32 logits with `ids` at NEG_INF: tokens no pass proposes. A select
+  against a constant mask rather than a scatter, so it fuses into whatever
+  reads the logits next instead of writing a copy of them."""
   logits = logits.astype(jnp.float32)
-  return logits.at[..., list(ids)].set(NEG_INF) if ids else logits
+  if not ids:
+    return logits
+  banned = np.zeros((logits.shape[-1],), bool)
+  banned[list(ids)] = True
+  return jnp.where(banned, NEG_INF, logits)
 
 
 def propose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperature, top_p=1.0):
@@ -186,8 +197,9 @@ def propose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperatur
     x0 = sampled() if temperature > 0 else greedy
   else:
     x0 = lax.cond(jnp.any(jnp.asarray(temperature) > 0), sampled, lambda: greedy)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  conf = jnp.exp(jnp.take_along_axis(logp, x0[..., None], axis=-1)[..., 0])
+  # p(x0) from the log-normaliser alone: no [B, T, V] log-softmax is written.
+  at = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]
+  conf = jnp.exp(at - jax.nn.logsumexp(logits, axis=-1))
   return x0, conf
 
 
@@ -394,5 +406,5 @@ def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0
 
 
 __all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
-           "commit", "draft_odds", "floor", "noise_words", "offer", "pass_keys", "penalize", "picks", "propose",
-           "rank_desc", "row_keys", "token_counts", "verify", "Verified"]
+           "commit", "draft_odds", "floor", "noise_words", "offer", "pass_keys", "penalize", "penalty", "picks",
+           "propose", "rank_desc", "row_keys", "token_counts", "verify", "Verified"]

@@ -216,3 +216,45 @@ def test_a_long_cache_is_read_where_it_lies():
   views = jax.jit(lambda q, kc, vc: kernels.attention(q, kc[1].transpose(0, 3, 1, 2), vc[1].transpose(0, 2, 1, 3),
                                                       mask=mask))
   assert copies(views)  # what reading [b, s, g, d] views of the layer costs
+
+
+def test_read_spans_are_powers_of_two_then_the_buffer():
+  m = kernels.CACHE_SPAN_MIN
+  assert kernels.read_spans(m) == (m,)
+  assert kernels.read_spans(m + 1) == (m, m + 1)
+  assert kernels.read_spans(5 * m) == (m, 2 * m, 4 * m, 5 * m)
+
+
+@pytest.mark.parametrize("reach", ["first span", "middle span", "whole buffer"])
+def test_a_short_cache_is_read_up_to_the_span_its_queries_reach(reach):
+  """A buffer shorter than CHUNKED_CACHE_FROM is cut to the first span that
+  holds every query's end: the result equals a float64 softmax over the
+  whole buffer, with keys and values past the furthest end large and random
+  (read by mistake, they would change it), whichever span the rows reach."""
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  m = kernels.CACHE_SPAN_MIN
+  s, l, b, h, g, d = 4 * m + 24, 5, 3, 4, 2, 8
+  furthest = {"first span": m, "middle span": 2 * m + 7, "whole buffer": s}[reach]
+  q, k, v, _ = rand_inputs(rng, b, l, s, h, g, d, jnp.float32)
+  ends = rng.integers(1, furthest - l + 2, size=(b, 1))
+  ends[rng.integers(b)] = furthest - l + 1  # one row reaches `furthest` exactly
+  q_end = ends + np.arange(l)[None]
+  valid = rng.random((b, s)) < 0.8
+  valid[:, 0] = True
+  k, v = np.array(k), np.array(v)
+  k[:, furthest:] *= 1e3
+  v[:, furthest:] = rng.standard_normal(v[:, furthest:].shape) * 1e3
+  mask = AttentionMask(kind="prefix", q_end=jnp.asarray(q_end, jnp.int32), kv_valid=jnp.asarray(valid))
+  allowed = (np.arange(s)[None, None] < q_end[:, :, None]) & valid[:, None]
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  k64, v64 = np.repeat(k64, h // g, axis=2), np.repeat(v64, h // g, axis=2)
+  scores = np.where(allowed[:, None], np.einsum("blhd,bshd->bhls", q64, k64) / np.sqrt(d), -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum("bhls,bshd->blhd", p / p.sum(-1, keepdims=True), v64)
+  other = rng.standard_normal((b, g, d, s)).astype(np.float32)  # layer 0: not read
+  k_cache = jnp.asarray(np.stack([other, k.transpose(0, 2, 3, 1)]))
+  v_cache = jnp.asarray(np.stack([other.transpose(0, 1, 3, 2), v.transpose(0, 2, 1, 3)]))
+  got = jax.jit(lambda q, kc, vc, mask: kernels.cache_attention(q, kc, vc, layer=1, mask=mask))(
+      q, k_cache, v_cache, mask)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
