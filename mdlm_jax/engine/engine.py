@@ -80,13 +80,18 @@ class Engine:
   in between, so a long prompt delays the others by a chunk a pass rather
   than by its whole prefill (0: every prompt in one prefill). A chunk reads
   the chunks before it and itself: a prompt longer than a chunk is encoded
-  block-causally in chunks rather than all bidirectionally (docs/serving.md)."""
+  block-causally in chunks rather than all bidirectionally (docs/serving.md).
+  `run_ahead`: dispatch the next pass before publishing the last one when
+  the next plan needs nothing from it (one process, no grammar, no
+  log-probabilities), so planning, dispatch and publishing overlap the
+  device's work; a finished request may then ride one more pass, whose
+  tokens nobody sees. False: each pass is published before the next is planned."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
                admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
-               prefill_chunk: int = 0, decode_dtype: str = "float32"):
+               prefill_chunk: int = 0, decode_dtype: str = "float32", run_ahead: bool = True):
     if loaded.spec.cfg.causal:  # an AR checkpoint: blocks of one token, each pass commits the next
       if block_size not in (None, 1):
         raise ValueError(f"an autoregressive checkpoint decodes one token a pass; block_size must be 1, got"
@@ -120,6 +125,8 @@ class Engine:
     # Off when no prompt this engine takes is longer than a chunk.
     self.prefill_chunk = prefill_chunk if 0 < prefill_chunk < max_prompt else 0
     self._arriving = 0
+    self.run_ahead = run_ahead
+    self._view = None  # the last pass's `slots.published` arrays
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
     self.grammar_policy = grammar_policy
@@ -406,32 +413,55 @@ class Engine:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _loop(self) -> None:
+    # A pass dispatched and not yet published: (its view, the slots' requests
+    # then). While it runs, the host plans and dispatches the next pass, then
+    # publishes it (`_runs_ahead`): planning one pass late costs at most a
+    # pass of a finished request, and the host's work hides behind the device's.
+    pending = None
     try:
       with self._mesh_context():
         while True:
           with self._lock:
-            if not self._stop and not self._waiting and not any(self._slots):
+            if pending is None and not self._stop and not self._waiting and not any(self._slots):
               # Idle. With followers, an empty turn every half second keeps
               # them (and their collectives) from waiting indefinitely.
               self._lock.wait(timeout=0.5)
             idle = not self._stop and not self._waiting and not any(self._slots)
+          if idle and pending is not None:
+            pending = self._publish_pending(pending)
+            continue
           if idle and jax.process_count() == 1 and not self._release_next:
             continue
           self._await_burst()
           t0 = time.perf_counter()
+          self._waited = 0.0
           turn = self._share(self._plan())
+          ahead = self._runs_ahead(turn)
+          if pending is not None and not ahead:
+            pending = self._publish_pending(pending)
           self._apply(turn)
           if turn.stop:
+            if pending is not None:
+              self._publish_pending(pending)
             return
           if turn.rows:
             self.stats["steps"] += 1
             self.stats["steps_with_head" if turn.with_head else "steps_without_head"] += 1
             self.stats["steps_guided"] += int(turn.guided)
-            self._publish(self._gather(turn.guided, turn.logprobs))
+            self.stats["steps_run_ahead"] += int(ahead)
+            dispatched = (self._view, list(self._slots))
+            if ahead:
+              if pending is not None:
+                self._publish_pending(pending)
+              pending = dispatched
+            else:
+              self._publish(self._gather(self._view, turn.guided, turn.logprobs), dispatched[1])
             if not turn.admits:  # a turn that is one pass and nothing else: where host work shows
               self.stats["pass_turns"] += 1
               self.stats["pass_turn_seconds"] += time.perf_counter() - t0
               self.stats["pass_wait_seconds"] += self._waited
+          elif pending is not None:
+            pending = self._publish_pending(pending)
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
       with self._lock:
@@ -466,7 +496,7 @@ class Engine:
         if turn.stop:
           return
         if turn.rows:
-          self._gather(turn.guided, turn.logprobs)
+          self._gather(self._view, turn.guided, turn.logprobs)
 
   def _plan(self) -> Turn:
     """Process 0's host bookkeeping for the next turn: done and cancelled slots
@@ -623,8 +653,8 @@ class Engine:
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
     self._signatures["passes"].add((id(model), rows, with_head, logprobs, guided, revising))
-    self._state = step(model.params, self._state, ops, rows=rows, with_head=with_head, logprobs=logprobs,
-                       revising=revising)
+    self._state, self._view = step(model.params, self._state, ops, rows=rows, with_head=with_head,
+                                   logprobs=logprobs, revising=revising)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
@@ -637,14 +667,15 @@ class Engine:
       self._state = self._state.replace(active=_clear_rows(self._state.active, mask),
                                         cache=cache.replace(length=_zero_rows(cache.length, mask)))
 
-  def _gather(self, guided: bool = False, logprobs: bool = False):
-    """Host copies of what a publish reads, from every process's rows (after
-    a guided pass also what it proposed for the constrained rows). After a
-    logprobs pass, the log-probabilities: on one process left on the device
-    for `Handle.logprob_entries` to read the rows it needs; with several,
-    gathered (a collective every process runs alike)."""
+  def _gather(self, view: tuple, guided: bool = False, logprobs: bool = False):
+    """Host copies of what a publish reads (`view`: a pass's `slots.published`),
+    from every process's rows (after a guided pass also what it proposed for
+    the constrained rows). After a logprobs pass, the log-probabilities: on
+    one process left on the device for `Handle.logprob_entries` to read the
+    rows it needs; with several, gathered (a collective every process runs
+    alike). Guided and logprobs passes are gathered before the next pass runs."""
     s = self._state
-    arrays = (s.gen, s.block, s.active, s.passes, s.head, s.decoding.revise, s.filled, s.ahead, s.n_ahead)
+    arrays = tuple(view)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
     single = jax.process_count() == 1
@@ -663,6 +694,19 @@ class Engine:
       self._guided_view = tuple(out[9:12])
     lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
     return Snapshot.of_slots(*out[:9], block_size=self.sc.block_size, mask_id=self.sc.mask_id, logprobs=lp)
+
+  def _runs_ahead(self, turn: Turn) -> bool:
+    """Whether this turn's pass is published after the next one is dispatched:
+    on one process, for a pass the next plan needs nothing from (no grammar
+    guides, no log-probabilities left on the device)."""
+    return (self.run_ahead and bool(turn.rows) and not turn.guided and not turn.logprobs
+            and jax.process_count() == 1)
+
+  def _publish_pending(self, pending) -> None:
+    """Publishes a pass dispatched earlier (None: nothing is pending now)."""
+    view, owners = pending
+    self._publish(self._gather(view), owners)
+    return None
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
@@ -685,10 +729,13 @@ class Engine:
     h._push(ev)
     self.stats["finished"] += 1
 
-  def _publish(self, snap: Snapshot) -> None:
+  def _publish(self, snap: Snapshot, owners: Sequence[Handle | None] | None = None) -> None:
+    """Events from a pass's snapshot. `owners`: the request each slot held
+    when the pass was dispatched; a slot whose request has since ended (or
+    been replaced) is left alone."""
     self._head = snap.head & snap.active
     for row, h in enumerate(self._slots):
-      if h is None or h.prefilling:
+      if h is None or h.prefilling or (owners is not None and owners[row] is not h):
         continue
       events, done = events_for(h, row, snap, self.tok, self.sc.block_size)
       for ev in events:

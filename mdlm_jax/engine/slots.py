@@ -469,16 +469,24 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
   return out.replace(cache=out.cache.replace(k=head.cache.k, v=head.cache.v))
 
 
+def published(s: Slots) -> tuple[jax.Array, ...]:
+  """What a publish reads of the state (`publishing.Snapshot.of_slots`'s arguments, in order)."""
+  return (s.gen, s.block, s.active, s.passes, s.head, s.decoding.revise, s.filled, s.ahead, s.n_ahead)
+
+
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
   """(admit, pass) jitted, with the slot state donated so it is updated in
   place. pass(params, state, guides, rows=k, with_head=h, logprobs=l, revising=r)
   compiles once per (k, h, l, r) and whether `guides` is None: given (the
   operands of `guide`), the host's commits for the constrained rows land
-  first, in the same program, and the pass runs guided."""
+  first, in the same program, and the pass runs guided. It returns the new
+  state and `published(state)`, buffers of their own: the host can read a
+  pass's results after handing its state to the next pass."""
   def run(params, state, guides, rows, with_head=True, logprobs=False, revising=False):
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
-    return step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising)
+    state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising)
+    return state, published(state)
 
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,), static_argnames=("resume",)),
           jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising")))
