@@ -251,8 +251,10 @@ class Engine:
 
   def host_share(self) -> float:
     """Of the wall time of the turns that were one pass and nothing else
-    (no prefill), the share the device was not working for: planning,
-    dispatch, publishing, grammar work (nan before any such turn)."""
+    (no prefill), the share the host spent not waiting for a pass: planning,
+    dispatch, publishing, grammar work (nan before any such turn). Published
+    a pass late (`run_ahead`), that work overlaps the next pass, so this is
+    the host's load, not time the device sat idle."""
     turns = self.stats["pass_turn_seconds"]
     return 1.0 - self.stats["pass_wait_seconds"] / turns if turns else float("nan")
 
