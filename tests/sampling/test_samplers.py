@@ -217,7 +217,7 @@ def test_infill_searches_lengths_and_keeps_prefix_suffix(generator):
 
 
 @pytest.mark.parametrize("which,sampler", [
-    ("generator", LowConfidenceSampler(steps=4, block_size=8, temperature=1.0)),
+    pytest.param("generator", LowConfidenceSampler(steps=4, block_size=8, temperature=1.0), marks=pytest.mark.slow),
     ("generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)),
     ("shifted_generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)),
 ], ids=["low_confidence", "threshold", "threshold_shifted_head"])
