@@ -430,7 +430,8 @@ class Engine:
               self._lock.wait(timeout=0.5)
             idle = not self._stop and not self._waiting and not any(self._slots)
           if idle and pending is not None:
-            pending = self._publish_pending(pending)
+            self._publish_pending(pending)
+            pending = None
             continue
           if idle and jax.process_count() == 1 and not self._release_next:
             continue
@@ -440,7 +441,8 @@ class Engine:
           turn = self._share(self._plan())
           ahead = self._runs_ahead(turn)
           if pending is not None and not ahead:
-            pending = self._publish_pending(pending)
+            self._publish_pending(pending)
+            pending = None
           self._apply(turn)
           if turn.stop:
             if pending is not None:
@@ -463,7 +465,8 @@ class Engine:
               self.stats["pass_turn_seconds"] += time.perf_counter() - t0
               self.stats["pass_wait_seconds"] += self._waited
           elif pending is not None:
-            pending = self._publish_pending(pending)
+            self._publish_pending(pending)
+            pending = None
     except BaseException as e:  # the engine is dead: fail every request loudly
       self.error = e
       with self._lock:
@@ -704,11 +707,10 @@ class Engine:
     return (self.run_ahead and bool(turn.rows) and not turn.guided and not turn.logprobs
             and jax.process_count() == 1)
 
-  def _publish_pending(self, pending) -> None:
-    """Publishes a pass dispatched earlier (None: nothing is pending now)."""
+  def _publish_pending(self, pending: tuple) -> None:
+    """Publishes a pass dispatched earlier: (its view, the slots' requests then)."""
     view, owners = pending
     self._publish(self._gather(view), owners)
-    return None
 
   def _pass_with_head(self, busy: list[int]) -> bool:
     with_head, self._head_waited = ride_with_head(self._head[busy], self._head_waited)
