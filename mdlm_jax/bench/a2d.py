@@ -19,7 +19,8 @@ the same prompts, on this machine, at batch 1:
   sure a draft may be to be offered, and at each of --agreements (below 1:
   drafts the base rates near its best are kept too, lossy) and at each of
   --lookups (drafts also copied from earlier in the text after that many
-  matching tokens; 0: the model's own only); `--png` plots both curves;
+  matching tokens; 0: the model's own only), with and without the model's
+  table of its own answers (--draft-tables); `--png` plots both curves;
 - each setting's mean pass time beside the memory-bandwidth bound of the
   bytes it reads (`bench.bound`: weights and KV cache over a bandwidth
   measured in the same run: a large array read once), and the fraction of
@@ -54,6 +55,10 @@ def parse(argv):
   p.add_argument("--lookups", default=str(DRAFT_LOOKUP),
                  help="comma-separated: each revision setting again copying drafts from earlier in the text after"
                       f" this many matching tokens (0: the model's drafts only; at most {MAX_LOOKUP})")
+  p.add_argument("--draft-tables", default="on",
+                 help="comma-separated on/off: each revision setting with lookup again drafting from the model's"
+                      " table of its own answers (sampling.draft_table) or not; 'on' where the model has none"
+                      " is the same as off")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -84,6 +89,9 @@ def parse(argv):
     p.error(f"--lookups must be comma-separated integers, got {a.lookups!r}")
   if not a.lookups or any(not 0 <= x <= MAX_LOOKUP for x in a.lookups):
     p.error(f"--lookups must be in [0, {MAX_LOOKUP}]")
+  a.draft_tables = [x.strip() for x in a.draft_tables.split(",") if x.strip()]
+  if not a.draft_tables or any(x not in ("on", "off") for x in a.draft_tables):
+    p.error(f"--draft-tables must be a comma-separated subset of on,off, got {a.draft_tables!r}")
   if any(e not in EFFORTS for e in a.efforts):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
   if not a.efforts and not a.revise_thresholds:
@@ -201,12 +209,15 @@ def main(argv=None):
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
-  settings.update({revision_name(t, g, n): {"revise": True, "threshold": t, "agreement": g, "lookup": n}
-                   for t in a.revise_thresholds for g in a.agreements for n in a.lookups})
+  has_table = adapted.draft_table is not None
+  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table):
+                   {"revise": True, "threshold": t, "agreement": g, "lookup": n}
+                   for t in a.revise_thresholds for g in a.agreements for n in a.lookups for table in a.draft_tables})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
-                                      max_new_tokens=a.answer_tokens, decode_dtype=a.decode_dtype, **overrides)
+                                      max_new_tokens=a.answer_tokens, decode_dtype=a.decode_dtype,
+                                      draft_table="+table" in name, **overrides)
     try:
       result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:
@@ -226,18 +237,21 @@ def main(argv=None):
     result["code"]["base"] = code_completions(ARGenerator(base, decode_dtype=a.decode_dtype), prompts, a.new_tokens,
                                               ARSampler(a.new_tokens, temperature=0.0), scorer)
     gen = Generator(adapted, decode_dtype=a.decode_dtype)
+    table = gen.draft_table
     for name, overrides in settings.items():
+      gen.draft_table = table if "+table" in name else None
       sampler = presets.for_model(_effort(name), adapted.config.diffusion.block_size,
                                   in_order=adapted.spec.cfg.clean_causal, **overrides)
       result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
   finish(result, a, plot)
 
 
-def revision_name(threshold: float, agreement: float, lookup: int = 0) -> str:
+def revision_name(threshold: float, agreement: float, lookup: int = 0, table: bool = False) -> str:
   """A revision setting's row: its draft threshold, its agreement where below
-  1 and its lookup where drafts are copied."""
+  1, its lookup where drafts are copied and whether the model's draft table
+  chains more."""
   return (f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
-          + (f"+lookup{lookup}" if lookup else ""))
+          + (f"+lookup{lookup}" if lookup else "") + ("+table" if table else ""))
 
 
 def _effort(name: str) -> str:

@@ -34,6 +34,8 @@ class LoadedModel:
   has_ema: bool
   # The Jinja chat template (data.chat_template), when the checkpoint has one.
   chat_template: str | None = None
+  # Drafts for revising passes from the model's own answers (`sampling.draft_table`), when its folder has one.
+  draft_table: Any = None
 
   @property
   def model(self) -> Transformer:
@@ -54,7 +56,8 @@ def load(path: str, mesh: Mesh | None = None, use_ema: bool = True) -> LoadedMod
   from mdlm_jax.data import chat_template
   if params_only.is_params_dir(path):
     loaded = _load_params_only(path, mesh)
-    return dataclasses.replace(loaded, chat_template=chat_template.from_folder(path) or _base_template(loaded.config))
+    return dataclasses.replace(loaded, chat_template=chat_template.from_folder(path) or _base_template(loaded.config),
+                               draft_table=_draft_table(path, loaded.spec.cfg.vocab_size))
   from mdlm_jax.checkpoints import gguf_file, interop
   if gguf_file.is_gguf(path):
     config, tokenizer, named, step, template = gguf_file.read(path)
@@ -83,6 +86,12 @@ def _load_params_only(path: str, mesh: Mesh) -> LoadedModel:
   if meta.get("base"):  # an adaptation: its adapters over a base's weights
     named = {**_base_weights(meta["base"], path), **named}
   return _place(path, config, tokenizer, named, int(meta.get("step", 0)), mesh)
+
+
+def _draft_table(path: str, vocab_size: int):
+  from mdlm_jax.sampling import draft_table
+  table = os.path.join(path, draft_table.FILE_NAME)
+  return draft_table.load(table, vocab_size) if os.path.isfile(table) else None
 
 
 def _base_template(config: ml_collections.ConfigDict) -> str | None:

@@ -85,13 +85,17 @@ class Engine:
   the next plan needs nothing from it (one process, no grammar, no
   log-probabilities), so planning, dispatch and publishing overlap the
   device's work; a finished request may then ride one more pass, whose
-  tokens nobody sees. False: each pass is published before the next is planned."""
+  tokens nobody sees. False: each pass is published before the next is planned.
+  `draft_table`: revising requests with `lookup` also draft from the model's
+  table of its own answers, where it has one (`sampling.draft_table`); the
+  text stays the base's, only the tokens a pass change."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
                admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
-               prefill_chunk: int = 0, decode_dtype: str = "float32", run_ahead: bool = True):
+               prefill_chunk: int = 0, decode_dtype: str = "float32", run_ahead: bool = True,
+               draft_table: bool = True):
     if loaded.spec.cfg.causal:  # an AR checkpoint: blocks of one token, each pass commits the next
       if block_size not in (None, 1):
         raise ValueError(f"an autoregressive checkpoint decodes one token a pass; block_size must be 1, got"
@@ -110,6 +114,7 @@ class Engine:
     few, many = decoding_pair(loaded, weight_layout, decode_dtype)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
+    self.draft_table = loaded.draft_table if draft_table else None
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, min(max_new_tokens, (context - 1) // bs * bs),
                                    tok.mask_id, tok.eos_id, loaded.spec.cfg.vocab_size, context,
                                    read_only_ids=never_generated(tok))
@@ -289,7 +294,7 @@ class Engine:
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(()) if guided else None
     with self._mesh_context():
-      return step.lower(model.params, self._state, ops, rows=rows, with_head=with_head).compile().as_text()
+      return step.lower(model.params, self._state, ops, None, rows=rows, with_head=with_head).compile().as_text()
 
   def compiled(self) -> dict[str, int]:
     """How many pass and prefill programs are compiled, over both weight
@@ -658,7 +663,8 @@ class Engine:
     model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
     self._signatures["passes"].add((id(model), rows, with_head, logprobs, guided, revising))
-    self._state, self._view = step(model.params, self._state, ops, rows=rows, with_head=with_head,
+    self._state, self._view = step(model.params, self._state, ops, self.draft_table if revising else None,
+                                   rows=rows, with_head=with_head,
                                    logprobs=logprobs, revising=revising)
 
   def _deactivate(self, rows: Sequence[int]) -> None:

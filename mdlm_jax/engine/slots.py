@@ -203,7 +203,7 @@ def cancel(slots: Slots, row) -> Slots:
 
 
 def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True, guided: bool = False,
-         logprobs: bool = False, revising: bool = False) -> Slots:
+         logprobs: bool = False, revising: bool = False, table=None) -> Slots:
   """One refinement pass over every slot (idle slots ride along, committing nothing).
 
   with_head=True: each slot sends [its finished block, if any | its current
@@ -216,7 +216,8 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   `revising` (static; an adapted AR model, with_head): revising rows send
   [their next token and drafts | a masked block after them] instead, and keep
   what the base's causal pass verifies (`rule.verify`); the others decode
-  their blocks as above in the same pass."""
+  their blocks as above in the same pass. `table` (a `DraftTable` or None):
+  revising rows with `lookup` also draft from it."""
   model = bind(spec, params)
   bs = sc.block_size
   lo = s.block * bs
@@ -296,12 +297,12 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
                   picked=jnp.where(guided_rows[:, None], picked, s.picked), proposed=guided_rows)
   s = _write_block(sc, s, moving, new_tail).replace(passes=s.passes + moving.astype(jnp.int32))
   if revising:
-    s = _revise(sc, s, rev, pending, head_valid, x0, conf, *verifying, logprobs)
+    s = _revise(sc, s, rev, pending, head_valid, x0, conf, *verifying, logprobs, table)
   return s
 
 
 def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_conf, base_x0, odds, kept_logp,
-            base_top, logprobs: bool) -> Slots:
+            base_top, logprobs: bool, table=None) -> Slots:
   """A revising pass's results: the verified head tokens of `rev` rows are
   kept (the cache of every row is committed here: the block rows' finished
   blocks too), and the next head is the base's token and the tail's drafts."""
@@ -323,17 +324,18 @@ def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_co
     out = out.replace(logp=put(s.logp, kept_logp), top_logp=put(s.top_logp, base_top[0]),
                       top_ids=put(s.top_ids, base_top[1]))
   filled = s.filled + jnp.where(rev, v.keep, 0)
-  v = _with_lookup(sc, s.replace(gen=out.gen), v, filled)
+  v = _with_lookup(sc, s.replace(gen=out.gen), v, filled, table)
   ended = rev & (v.ended | (filled >= s.n_blocks * bs))
   r = rev[:, None]
   return out.replace(filled=filled, ahead=jnp.where(r, v.ahead, s.ahead), n_ahead=jnp.where(rev, v.n_ahead, s.n_ahead),
                      active=out.active & ~ended, head=out.head & ~ended, passes=out.passes + rev.astype(jnp.int32))
 
 
-def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled) -> rule.Verified:
+def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled, table=None) -> rule.Verified:
   """Each row's next head with drafts copied from its prompt and text where
-  they outnumber the model's own (`rule.lookup_drafts`; rows whose
-  `decoding.lookup` is 0 keep theirs). Skipped when no row asks."""
+  they outnumber the model's own (`rule.lookup_drafts`), its free columns
+  then filled from `table` (`DraftTable.extend`); rows whose
+  `decoding.lookup` is 0 keep theirs. Skipped when no row asks."""
   def look():
     w = sc.lookup_window
     rows = jnp.arange(s.gen.shape[0])
@@ -342,7 +344,13 @@ def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled) -> rule.Ver
     col = jnp.arange(s.gen.shape[1])[None]
     known = jnp.concatenate([s.context >= 0, col <= filled[:, None]], 1)
     end = jnp.minimum(w + filled, text.shape[1] - 1)
-    return rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.block_size - 1))
+    out = rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.block_size - 1))
+    if table is not None:  # then the model's table of its own answers goes on from them
+      before = jnp.maximum(end - 1, 0)
+      ahead, n_ahead = table.extend(text[rows, before], (end >= 1) & known[rows, before], out.ahead, out.n_ahead)
+      use = s.decoding.lookup > 0
+      out = out.replace(ahead=jnp.where(use[:, None], ahead, out.ahead), n_ahead=jnp.where(use, n_ahead, out.n_ahead))
+    return out
   return lax.cond(jnp.any((s.decoding.lookup > 0) & s.decoding.revise & s.active), look, lambda: v)
 
 
@@ -455,13 +463,13 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
 
 
 def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True,
-               guided: bool = False, logprobs: bool = False, revising: bool = False) -> Slots:
+               guided: bool = False, logprobs: bool = False, revising: bool = False, table=None) -> Slots:
   """`step` over slots [0, rows) only: requests take the lowest free slots, so
   a lightly loaded engine runs passes as small as its load."""
   if rows == sc.num_slots:
-    return step(spec, sc, params, s, with_head, guided, logprobs, revising)
+    return step(spec, sc, params, s, with_head, guided, logprobs, revising, table)
   head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head,
-              guided, logprobs, revising)
+              guided, logprobs, revising, table)
   out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
   # The pass read and wrote its rows' keys and values in the whole buffers, in
   # place: no copy of the rows in, none back (at a long context, copying them
@@ -476,16 +484,18 @@ def published(s: Slots) -> tuple[jax.Array, ...]:
 
 def compile_programs(spec: ModelSpec, sc: SlotConfig):
   """(admit, pass) jitted, with the slot state donated so it is updated in
-  place. pass(params, state, guides, rows=k, with_head=h, logprobs=l, revising=r)
-  compiles once per (k, h, l, r) and whether `guides` is None: given (the
-  operands of `guide`), the host's commits for the constrained rows land
-  first, in the same program, and the pass runs guided. It returns the new
+  place. pass(params, state, guides, table, rows=k, with_head=h, logprobs=l, revising=r)
+  compiles once per (k, h, l, r) and whether `guides` and `table` are None:
+  given (the operands of `guide`), the host's commits for the constrained
+  rows land first, in the same program, and the pass runs guided; `table`
+  (a `DraftTable`) drafts for revising rows with `lookup`. It returns the new
   state and `published(state)`, buffers of their own: the host can read a
   pass's results after handing its state to the next pass."""
-  def run(params, state, guides, rows, with_head=True, logprobs=False, revising=False):
+  def run(params, state, guides, table, rows, with_head=True, logprobs=False, revising=False):
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
-    state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising)
+    state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising,
+                       table if revising else None)
     return state, published(state)
 
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,), static_argnames=("resume",)),

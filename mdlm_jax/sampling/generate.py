@@ -67,17 +67,20 @@ class Generator:
   """Samples from a loaded MDLM checkpoint (any diffusion sampler)."""
 
   def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None,
-               decode_dtype: str = "float32"):
+               decode_dtype: str = "float32", draft_table: bool = True):
     """`mesh`: run under this mesh (params as loaded onto it, the batch of
     rows sharded over 'data' x 'fsdp'); None: wherever the params live.
     `weight_layout`: decode from a copy of the weights in this layout. By
     default, on CPU, calls whose passes carry few token rows read an [out, in]
     copy and larger ones the trained layout (`model.spec.decoding_pair`).
-    `decode_dtype="int8"`: that few-row copy holds weight-only int8 weights."""
+    `decode_dtype="int8"`: that few-row copy holds weight-only int8 weights.
+    `draft_table`: revising samplers with `lookup` also draft from the
+    model's table of its own answers, where it has one (`sampling.draft_table`)."""
     self._few, self._many = decoding_pair(loaded, weight_layout, decode_dtype)
     loaded = self._few
     self.loaded, self.mesh = loaded, mesh
     self.tok = loaded.tokenizer
+    self.draft_table = loaded.draft_table if draft_table else None
     self.time_conditioned = bool(loaded.spec.cfg.time_conditioning)
     if loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is an autoregressive model; use the AR sampler")
@@ -98,8 +101,8 @@ class Generator:
     if self._on_step is not None:
       self._on_step(step, tokens)
 
-  def _decode_canvas(self, params, tokens, valid, positions, keys, *, sampler, layout, record, stream=False,
-                     many=False):
+  def _decode_canvas(self, params, tokens, valid, positions, keys, table=None, *, sampler, layout, record,
+                     stream=False, many=False):
     """`many`: `params` are those of the model for passes over many rows."""
     emit = self._emit if stream else None
     spec = (self._many if many else self._few).spec
@@ -130,6 +133,7 @@ class Generator:
 
     denoiser = Denoiser()
     denoiser.positions = positions  # the canvas's RoPE positions, for cached blocks
+    denoiser.draft_table = table
     return sampler.run(denoiser, tokens, valid, keys, layout, record, emit)
 
   def encode_prompt(self, text: str, add_bos: bool = True) -> list[int]:
@@ -186,7 +190,9 @@ class Generator:
       per_row = 2 * sampler.block_size if getattr(sampler, "kv_cache", False) else canvas.tokens.shape[1]
       many = len(prompts) * per_row > FEW_ROWS
       try:
-        out = self.decode_canvas((self._many if many else self._few).params, *arrays, sampler=sampler, layout=layout,
+        table = self.draft_table if getattr(sampler, "revise", False) and getattr(sampler, "lookup", 0) else None
+        out = self.decode_canvas((self._many if many else self._few).params, *arrays, table, sampler=sampler,
+                                 layout=layout,
                                 record=record_drafts, stream=on_draft is not None, many=many)
         out = jax.device_get(out)
       finally:
@@ -247,7 +253,7 @@ class ARGenerator:
   """The AR twin behind the same text-in/text-out interface (KV-cached decoding)."""
 
   def __init__(self, loaded: LoadedModel, mesh=None, weight_layout: str | None = None,
-               decode_dtype: str = "float32"):
+               decode_dtype: str = "float32", draft_table: bool = True):
     if not loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is a diffusion model; use Generator")
     loaded = for_decoding(loaded, weight_layout, decode_dtype)

@@ -100,8 +100,9 @@ BASE_FIRST_EFFORTS = ("medium", "high")
 # pass, 0.6 1.20 and 0.9 1.04: a hopeless draft costs the drafts behind it.
 DRAFT_THRESHOLD = 0.3
 # A revising pass also offers drafts copied from the prompt and the text so
-# far after this many matching tokens (`rule.lookup_drafts`) where the model's
-# own drafts are fewer.
+# far after this many matching tokens (`rule.lookup_drafts`), and chained from
+# the model's table of its own answers (`sampling.draft_table`), where the
+# model's own drafts are fewer.
 DRAFT_LOOKUP = 2
 
 

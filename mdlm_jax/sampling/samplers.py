@@ -344,8 +344,10 @@ class ThresholdSampler(ConfidenceSampler):
   # (`rule.verify`): more tokens a pass, text near the base's but not its own.
   agreement: float = 1.0
   # With revise: > 0 offers drafts copied from earlier in the text where its
-  # last `lookup` tokens occurred before (`rule.lookup_drafts`), in the passes
-  # where the model's own drafts are fewer. The text stays the base's.
+  # last `lookup` tokens occurred before (`rule.lookup_drafts`), and chained
+  # from the model's table of its own answers where the Denoise carries one
+  # (`draft_table`), in the passes where the model's own drafts are fewer.
+  # The text stays the base's.
   lookup: int = 0
 
   def __post_init__(self):
@@ -392,6 +394,7 @@ class ThresholdSampler(ConfidenceSampler):
     x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
     ahead, n_ahead = x0, rule.offer(conf, self.threshold)
     pos0 = positions[:, gs]  # the first generated column's RoPE position
+    table = getattr(denoise, "draft_table", None)
 
     def cond(s):
       return ~jnp.all(s["done"]) & (s["it"] < gl)
@@ -419,6 +422,10 @@ class ThresholdSampler(ConfidenceSampler):
         col = jnp.arange(L)[None]
         known = jnp.where(col < gs, valid, col <= end[:, None])
         v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, bs - 1))
+        if table is not None:  # then the model's table of its own answers goes on from them
+          before = jnp.clip(end - 1, 0, L - 1)
+          v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(
+              text[rows[:, 0], before], (end >= 1) & known[rows[:, 0], before], v.ahead, v.n_ahead))))
       rec, n = _record(s["drafts"], s["n_drafts"], toks, record, emit)
       return {"tokens": toks, "cache": pending.commit(v.keep), "filled": filled, "ahead": v.ahead,
               "n_ahead": v.n_ahead, "done": s["done"] | v.ended | (filled >= gl), "drafts": rec, "n_drafts": n,

@@ -65,7 +65,9 @@ class Sampling:
   sampler: str | None = None  # a rule of samplers.RULES instead of the effort's threshold rule
   steps: int | None = None  # low_confidence: passes per block
   agreement: float | None = None  # with revise: drafts the base rates this near its best are kept too
-  lookup: int | None = None  # with revise: drafts copied after this many matching tokens (None: the effort's)
+  # with revise: drafts copied after this many matching tokens, and from the model's draft table (None: the
+  # effort's; 0: neither)
+  lookup: int | None = None
 
   def rule(self) -> dict:
     """The rule's name and settings as `presets.for_model` takes them."""

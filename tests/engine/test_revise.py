@@ -7,7 +7,7 @@ import pytest
 
 from mdlm_jax import checkpoints
 from mdlm_jax.engine.engine import Engine, Request
-from mdlm_jax.sampling import grammar
+from mdlm_jax.sampling import draft_table, grammar
 from mdlm_jax.sampling.ar import ARSampler
 from mdlm_jax.sampling.generate import ARGenerator, Generator
 from tests.conftest import adapted_from
@@ -104,3 +104,23 @@ def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
   assert got.text == want.completions[0].text == own.completions[0].text == base.completions[0].text
   chunks = -(-len(e.encode(prompt)) // chunk) if chunk else 1  # each prefill chunk counts as a pass
   assert got.passes - (chunks - 1) == want.forward_passes < own.forward_passes
+
+
+def test_table_drafts_take_the_passes_the_generator_takes(models):
+  """Drafts chained from the model's table of answers: the engine's passes and text are the generator's, the text
+  the base's, in fewer passes than without the table."""
+  ar, adapted = models
+  prompt, n = "def add(a, b):\n", 16
+  base = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  ids = Generator(adapted).encode_prompt(prompt) + base.completions[0].tokens
+  adapted = dataclasses.replace(adapted, draft_table=draft_table.build([ids], adapted.spec.cfg.vocab_size))
+  e = Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=n).start()
+  try:
+    sampler = e.sampler_for("medium", revise=True, temperature=0.0, lookup=2)
+    got = e.submit(Request(e.encode(prompt), n, sampler, seed=0)).result(timeout=300)
+  finally:
+    e.close(deadline_s=1)
+  want = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=sampler)
+  off = Generator(adapted, draft_table=False).generate([prompt], max_new_tokens=n, sampler=sampler)
+  assert got.text == want.completions[0].text == off.completions[0].text == base.completions[0].text
+  assert got.passes == want.forward_passes < off.forward_passes

@@ -1,6 +1,8 @@
 """Revising decoding (ThresholdSampler(revise=True)): the base's own text whatever the drafts, and the passes
 a hand count predicts."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import bind
 from mdlm_jax.sampling.ar import ARSampler
 from mdlm_jax.sampling.generate import ARGenerator, Generator
-from mdlm_jax.sampling import rule
+from mdlm_jax.sampling import draft_table, rule
 from mdlm_jax.sampling.samplers import Layout, ThresholdSampler
 from tests.conftest import adapted_from
 
@@ -238,3 +240,51 @@ def test_lookup_needs_revision_and_a_short_suffix():
     ThresholdSampler(lookup=2)
   with pytest.raises(ValueError, match="lookup must be in"):
     revising(lookup=rule.MAX_LOOKUP + 1)
+
+
+def _distinct_pairs_text(rng, n):
+  """n tokens of 0..8 after the prompt [1, 2] in which no pair of neighbours recurs."""
+  while True:
+    text = rng.integers(0, 9, n).tolist()
+    pairs = list(zip([1, 2] + text, [2] + text))
+    if len(set(pairs)) == len(pairs):
+      return np.array(text)
+
+
+@pytest.mark.parametrize("wrong_at, passes", [
+    (None, 5),  # the prompt's pass; t0; then drafts chained from (t0, t1): t1-4; t5-8; t9-11
+    (6, 6),  # the table follows (t4, t5) with a wrong token: t0; t1-4; t5 (the base's t6 next); t6-9; t10-11
+])
+def test_table_drafts_chain_from_the_text_and_the_base_keeps_its_own(wrong_at, passes):
+  text = _distinct_pairs_text(np.random.default_rng(), 12)
+  seqs = [[1, 2] + text.tolist()]
+  if wrong_at is not None:  # the pair before `wrong_at` seen twice followed by another token
+    seqs += [[int(text[wrong_at - 2]), int(text[wrong_at - 1]), int(text[wrong_at] + 1) % 9]] * 2
+  gs = 2
+  tokens = jnp.concatenate([jnp.array([[1, 2]]), jnp.full((1, len(text)), MASK)], 1)
+  lay = Layout(gen_start=gs, gen_len=len(text), mask_id=MASK, eos_id=EOS)
+  oracle = Oracle(text, range(20), gs)  # the model's own drafts are never offered (threshold 1)
+  oracle.draft_table = draft_table.build(seqs, V)
+  out = revising(4, 1.0, lookup=2).run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32),
+                                        lay)
+  np.testing.assert_array_equal(np.asarray(out["tokens"][0, gs:]), text)
+  assert int(out["nfe"]) == passes
+  oracle.draft_table = None  # no table, no copies (the text never repeats a pair): a token a pass
+  out = revising(4, 1.0, lookup=2).run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32),
+                                        lay)
+  assert int(out["nfe"]) == len(text) + 1
+
+
+def test_an_adapted_model_with_a_table_of_its_bases_text_writes_that_text_in_fewer_passes(tiny_checkpoints):
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  adapted = adapted_from(ar, block_size=4)
+  prompts, n = ["def add(a, b):\n", "x = 1\ny"], 24
+  want = ARGenerator(ar).generate(prompts, max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  ids = [Generator(adapted).encode_prompt(p) + c.tokens for p, c in zip(prompts, want.completions)]
+  with_table = dataclasses.replace(adapted, draft_table=draft_table.build(ids, adapted.spec.cfg.vocab_size))
+  sampler = revising(4, lookup=2)
+  got = Generator(with_table).generate(prompts, max_new_tokens=n, sampler=sampler)
+  off = Generator(with_table, draft_table=False).generate(prompts, max_new_tokens=n, sampler=sampler)
+  for w, g, o in zip(want.completions, got.completions, off.completions):
+    assert g.tokens == w.tokens == o.tokens
+  assert got.forward_passes < off.forward_passes
