@@ -38,6 +38,27 @@ stopped) and continues from the second round:
       --config.train.init_from=runs/a2d_smollm2_chat2 --config.data.corpus=data/a2d_chat3 \
       --config.data.shuffle_seed=2 --config.train.eval_every=50
 
+A fourth round (a fresh machine, 2026-11-27: the third round's data was not on it)
+continues from the packaged adapters on the base's answers to a second set of
+standard-library requests, the first set's and the tool calls of a rebuilt PyPI
+sample (its wheels are the registry's newest, so not the earlier sample's):
+
+  python -m mdlm_jax.corpus instructions --corpus=stdlib --out=data/stdlib_instructions12 --per-file=12 --seed=1
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --batch-size=32 --kinds=writes --limit=0 --seed=1 \
+      --instructions=data/stdlib_instructions12/train.jsonl --out=data/draft_answers/stdlib12.jsonl
+  python -m mdlm_jax.corpus build --out=data/pycode_small --limit=60
+  python -m mdlm_jax.corpus instructions --corpus=data/pycode_small --out=data/pycode_small_instructions
+  mkdir -p data/a2d_chat4
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --kinds=calls \
+      --instructions=data/pycode_small_instructions/train.jsonl --out=data/a2d_chat4/calls.jsonl
+  python -m mdlm_jax.distill --checkpoint=smollm2-135m-instruct --batch-size=12 --kinds=writes \
+      --instructions=data/pycode_small_instructions/heldout.jsonl --out=data/a2d_chat4/heldout.jsonl
+  cat <(gunzip -c exports/a2d_chat_data/stdlib_distilled.jsonl.gz) data/draft_answers/stdlib12.jsonl \
+      data/a2d_chat4/calls.jsonl > data/a2d_chat4/train.jsonl
+  python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py --workdir=runs/a2d_smollm2_chat4 \
+      --config.train.init_from=mdlm_jax/assets/a2d_smollm2 --config.data.corpus=data/a2d_chat4 \
+      --config.data.shuffle_seed=4 --config.train.eval_every=50
+
 Each answer is the base's own greedy text, so the base is sure of each of its
 tokens: the adapters can learn to be sure of several at once, which is what
 tokens per pass need, and the distillation term pulls every masked token to

@@ -13,6 +13,7 @@ import pytest
 
 from mdlm_jax.checkpoints import packaged, params_only, registry
 from mdlm_jax.data import chat_template
+from mdlm_jax.sampling import draft_table
 from mdlm_jax.server import tools
 from mdlm_jax import checkpoints
 
@@ -44,8 +45,11 @@ def test_the_default_is_smollm2_adapters_over_a_registry_base():
   assert meta["base"] in registry.MODELS
   m = meta["config"]["model"]
   assert m["clean_causal"] and m["shift_logits"] and m["lora_rank"] > 0
-  _, _, named = params_only.read(path)
+  _, tokenizer, named = params_only.read(path)
   assert named and all(params_only.is_adapter_name(n) for n in named)
+  # Its drafts from the base's own answers, for the base's vocabulary.
+  table = draft_table.load(os.path.join(path, draft_table.FILE_NAME), vocab_size=tokenizer.vocab_size)
+  assert table.entries > 10_000
 
 
 def test_the_default_template_is_smollm2_chatml_with_tool_calls():
