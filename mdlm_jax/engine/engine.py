@@ -146,8 +146,8 @@ class Engine:
     with self._mesh_context():
       if mesh is not None:  # each process places the rows of its own devices
         state = jax.tree.map(lambda x: _place(np.asarray(x), _row_sharding(mesh, x, num_slots)), state)
-      else:  # committed, like every later state: the programs compile once, not twice
-        state = jax.device_put(state, next(iter(jax.tree.leaves(loaded.params)[0].sharding.device_set)))
+      else:  # placed as every later state is (the programs' outputs): each program compiles once, not twice
+        state = jax.device_put(state, _replicated_like(jax.tree.leaves(few.params)[0].sharding))
       self._state = state
     self._leader = jax.process_index() == 0
     self._release_next: list[int] = []  # rows found done by the last publish, freed on device next turn
@@ -202,8 +202,9 @@ class Engine:
 
   def warmup(self) -> "Engine":
     """Compiles the pass for every slot-count bucket and the prefill for every
-    prompt-length bucket now, so early requests do not wait for compilation.
-    Call before start()."""
+    prompt-length bucket now, so early requests do not wait for compilation
+    (for an AR model adapted to diffusion, its revising pass too). Call
+    before start()."""
     if self._thread is not None:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
@@ -219,9 +220,14 @@ class Engine:
                               rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32),
                               np.ones((k,), bool), resume=resume)
           self._deactivate(range(k))
+      cfg = self.loaded.spec.cfg
+      # An adapted AR model revises at its default effort: its first request would compile that pass.
+      revises = cfg.clean_causal and cfg.shift_logits and not cfg.time_conditioning and self.sc.block_size >= 2
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
           self._run_pass(rows, with_head)
+        if revises:
+          self._run_pass(rows, True, revising=True)
       _request_key(0)  # the key derivation compiles too
       jax.block_until_ready(self._state)
     return self
@@ -779,6 +785,14 @@ def _clear_rows(active, mask):
 
 def _zero_rows(length, mask):
   return jax.numpy.where(mask, 0, length)
+
+
+def _replicated_like(sharding):
+  """Whole arrays where `sharding`'s arrays live: over its mesh when it has
+  one (a jitted program's outputs come back so), else on its device."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return next(iter(sharding.device_set))
 
 
 def _place(x: np.ndarray, sharding) -> jax.Array:

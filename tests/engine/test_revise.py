@@ -124,3 +124,24 @@ def test_table_drafts_take_the_passes_the_generator_takes(models):
   off = Generator(adapted, draft_table=False).generate([prompt], max_new_tokens=n, sampler=sampler)
   assert got.text == want.completions[0].text == off.completions[0].text == base.completions[0].text
   assert got.passes == want.forward_passes < off.forward_passes
+
+
+@pytest.mark.slow
+def test_warmup_compiles_the_revising_pass(models):
+  """An adapted model's first revising request compiles nothing after warmup."""
+  import jax.monitoring
+  _, adapted = models
+  e = Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=8).warmup()
+  assert e.compiled()["passes"] == 3  # one slot: with a head, without, revising
+  compiles = []
+  listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  e.start()
+  try:
+    sampler = e.sampler_for("medium", temperature=0.0)
+    assert sampler.revises
+    e.submit(Request(e.encode(PROMPTS[0]), 8, sampler, seed=0)).result(timeout=300)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+    e.close(deadline_s=1)
+  assert not compiles
