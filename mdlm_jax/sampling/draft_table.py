@@ -25,7 +25,6 @@ import os
 import sys
 from typing import Iterable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
@@ -75,7 +74,7 @@ class DraftTable:
     drafts; `prev` the text's token before it) with its free columns filled
     by the table's chain from its last two tokens: the model's or copied
     drafts, then how answers went on from there."""
-    b, h = ahead.shape
+    h = ahead.shape[1]
     n = jnp.maximum(n_ahead, 0)
     ext = jnp.concatenate([prev[:, None], ahead], 1)
     take = lambda i: jnp.take_along_axis(ext, i[:, None], 1)[:, 0]  # noqa: E731
