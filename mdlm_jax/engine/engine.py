@@ -149,6 +149,11 @@ class Engine:
       else:  # placed as every later state is (the programs' outputs): each program compiles once, not twice
         state = jax.device_put(state, _replicated_like(jax.tree.leaves(few.params)[0].sharding))
       self._state = state
+      if self.draft_table is not None:  # placed once, whole on every device: no copy a pass
+        whole = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                 else _replicated_like(jax.tree.leaves(few.params)[0].sharding))
+        self.draft_table = jax.tree.map(
+            lambda x: _place(np.asarray(x), whole) if mesh is not None else jax.device_put(x, whole), self.draft_table)
     self._leader = jax.process_index() == 0
     self._release_next: list[int] = []  # rows found done by the last publish, freed on device next turn
     self._waiting: collections.deque[Handle] = collections.deque()

@@ -494,8 +494,7 @@ def compile_programs(spec: ModelSpec, sc: SlotConfig):
   def run(params, state, guides, table, rows, with_head=True, logprobs=False, revising=False):
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
-    state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising,
-                       table if revising else None)
+    state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising, table)
     return state, published(state)
 
   return (jax.jit(functools.partial(admit, spec, sc), donate_argnums=(1,), static_argnames=("resume",)),
