@@ -49,28 +49,30 @@ class LowRank:
   """Low-rank adapters on the output rows of one [out, in] weight, joined so
   that one call forms the weight's product and theirs: adapter p acts on
   output rows [ends[p - 1], ends[p]) as x @ a_p @ b_p * scale. `at`
-  [parts * rank, in] holds each a_p transposed, `bt` [out, rank] each output
-  row's column of its adapter's b times the scale (`join_adapters`)."""
+  [parts * rank, in] holds each a_p transposed, `b` [rank, out] each output
+  row's column of its adapter's b times the scale, output rows along its
+  rows so that the kernel forms sixteen outputs' updates at once
+  (`join_adapters`)."""
 
   at: Float[Array, "pr k"]
-  bt: Float[Array, "n r"]
+  b: Float[Array, "r n"]
   ends: Int32[Array, "p"]
 
   def delta(self, x2d: Float[Array, "m k"]) -> Float[Array, "m n"]:
     """The adapters' update of every token row, with XLA's products."""
-    m, parts, rank = x2d.shape[0], self.ends.shape[0], self.bt.shape[1]
+    m, parts, rank = x2d.shape[0], self.ends.shape[0], self.b.shape[0]
     u = (x2d @ self.at.T).reshape(m, parts, rank)
-    part = jnp.searchsorted(self.ends, jnp.arange(self.bt.shape[0]), side="right")
-    return jnp.einsum("mnt,nt->mn", u[:, part], self.bt)
+    part = jnp.searchsorted(self.ends, jnp.arange(self.b.shape[1]), side="right")
+    return jnp.einsum("mnt,tn->mn", u[:, part], self.b)
 
 
 def join_adapters(adapters: list[tuple[Array, Array]], scale: float) -> LowRank:
   """`LowRank` of adapters (a [in, rank], b [rank, out_p]) whose outputs are
   the consecutive output rows of one weight, in order."""
   at = jnp.concatenate([jnp.asarray(a, jnp.float32).T for a, _ in adapters], axis=0)
-  bt = jnp.concatenate([(jnp.asarray(b, jnp.float32) * scale).T for _, b in adapters], axis=0)
-  ends = jnp.cumsum(jnp.asarray([b.shape[1] for _, b in adapters], jnp.int32))
-  return LowRank(at, bt, ends)
+  b = jnp.concatenate([jnp.asarray(b, jnp.float32) * scale for _, b in adapters], axis=1)
+  ends = jnp.cumsum(jnp.asarray([b_p.shape[1] for _, b_p in adapters], jnp.int32))
+  return LowRank(at, b, ends)
 
 
 KERNEL_TILE = 32  # output rows a tile holds (the kernel's kTile)
@@ -206,7 +208,7 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
   tiles = w.tiles if w.tiles is not None else tile_weights(w.q)  # made here, every call, for a bare weight
   if ad is None:
     return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, tiles, w.scale)
-  return jax.ffi.ffi_call(LORA_FFI_TARGET, out)(x2d, tiles, w.scale, ad.at, ad.bt, ad.ends, rows)
+  return jax.ffi.ffi_call(LORA_FFI_TARGET, out)(x2d, tiles, w.scale, ad.at, ad.b, ad.ends, rows)
 
 
 _lock = threading.Lock()

@@ -23,7 +23,7 @@
 // at the same speed to within a few percent, measured).
 //
 // Int8LoraMatmul adds low-rank adapters to chosen token rows in the same call
-// (y[m] += rows[m] * (x[m] @ A_p) @ Bt_p^T over the output rows of adapter p):
+// (y[m] += rows[m] * (x[m] @ A_p) @ B_p over the output rows of adapter p):
 // a diffusion model adapted from a frozen AR base applies them to its noisy
 // rows only, and as separate small products they cost XLA:CPU a third of a
 // decoding pass in per-operation overhead (measured).
@@ -56,55 +56,74 @@ constexpr int64_t kPad = 8;
 constexpr int64_t kPairChunk = 256;
 
 // Rounds each of the m rows of x [m, k] to int16 with its own scale, into
-// rows of kp columns (zeros past k).
+// rows of kp columns (zeros past k). Vectorized with the same IEEE division
+// and round-half-to-even as the scalar form, so both give the same values
+// (`kernels.round_rows_to_int16` is the reference); as a scalar loop it cost
+// about 9 us a call at eight rows, a millisecond of a pass's 121 calls.
 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t kp, int16_t* xq, float* xs) {
   for (int64_t r = 0; r < m; ++r) {
     const float* row = x + r * k;
+    int16_t* out = xq + r * kp;
+    int64_t i = 0;
     float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::fmax(amax, std::fabs(row[i]));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < k; ++i) amax = std::fmax(amax, std::fabs(row[i]));
     const float scale = amax > 0.f ? amax / kInt16Max : 1.f;
     xs[r] = scale;
-    for (int64_t i = 0; i < k; ++i) {
+    i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-kInt16Max), hi = _mm512_set1_ps(kInt16Max);
+    for (; i + 16 <= k; i += 16) {
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), vs),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+    }
+#endif
+    for (; i < k; ++i) {
       float v = std::nearbyint(row[i] / scale);
       v = std::fmin(std::fmax(v, -kInt16Max), kInt16Max);
-      xq[r * kp + i] = static_cast<int16_t>(v);
+      out[i] = static_cast<int16_t>(v);
     }
-    for (int64_t i = k; i < kp; ++i) xq[r * kp + i] = 0;
+    for (int64_t j = k; j < kp; ++j) out[j] = 0;
   }
-}
-
-// sum_t a[t] * b[t] in float32: an adapter's update of one output, in vector
-// registers (the scalar loop it replaced cost 1.5 to 2 ms of a 35 ms revising
-// pass of the adapted default, measured).
-inline float Dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + t), _mm512_loadu_ps(b + t), acc);
-  if (t < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - t)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + t), _mm512_maskz_loadu_ps(mask, b + t), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t t = 0; t < n; ++t) acc += a[t] * b[t];
-  return acc;
-#endif
 }
 
 // Low-rank adapters of one weight's output rows: u = x @ A for every token
-// row (float32, [m, P * r]), adapter p's `bt` rows for output rows
-// [ends[p - 1], ends[p]), and the rows' weights (0: the adapters skip a row).
+// row (float32, [m, P * r]), the [rank, n] rows of b (output j's column of
+// its adapter's b, times the scale, at [t, j]), adapter p acting on output
+// rows [ends[p - 1], ends[p]), and the token rows' weights (0: the adapters
+// skip a row).
 struct Adapters {
   const float* u;
-  const float* bt;
+  const float* b;
   const int32_t* ends;
   int64_t parts;
   int64_t rank;
+  int64_t n;
   const float* rows;
 };
+
+// sum_i a[i] * b[i] in float32, four sums in flight (one chain of fused
+// multiply-adds waits on each one's latency).
+inline float Dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float out = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * j), _mm512_loadu_ps(b + i + 16 * j), acc[j]);
+  for (; i + 16 <= n; i += 16) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc[0]);
+  out = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#endif
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
 
 // tot[r][o] = sum_i xq[r, i] * w[o, i] for the M token rows and the kTile
 // output rows of one tile (`pairs` column pairs), exactly. With VNNI one
@@ -160,27 +179,71 @@ inline void TileTimesRows(const int16_t* xq, int64_t kp, const int8_t* w, int64_
 #endif
 }
 
+// y[o] = sums[o] * sx * scale[o] for the `width` outputs of one token row in
+// a tile (`sums` holds kTile), in double as the exact sums need, eight
+// outputs an instruction: one at a time this epilogue was a third of the
+// instructions of a 576-column tile at eight token rows.
+inline void Finish(const int64_t* sums, double sx, const float* scale, int64_t width, float* y) {
+  int64_t o = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512d vx = _mm512_set1_pd(sx);
+  for (; o < width; o += 8) {
+    const __mmask8 mask = width - o >= 8 ? 0xff : static_cast<__mmask8>((1u << (width - o)) - 1);
+    const __m512d total = _mm512_cvtepi64_pd(_mm512_loadu_si512(sums + o));
+    const __m512d sc = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(mask, scale + o));
+    _mm256_mask_storeu_ps(y + o, mask, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(total, vx), sc)));
+  }
+#endif
+  for (; o < width; ++o) y[o] = static_cast<float>(static_cast<double>(sums[o]) * sx * scale[o]);
+}
+
+// y[o] += rows[r] * sum_t u[r, p * rank + t] * b[t, j0 + o] for the `width`
+// outputs from j0 of token row r, p the adapter of output j0 + o: sixteen
+// outputs of one adapter at a time (the outputs run along b's rows), one
+// output at a time where a run of sixteen spans two adapters.
+inline void AddAdapters(const Adapters& ad, int64_t r, int64_t j0, int64_t width, float* y) {
+  const float weight = ad.rows[r];
+  const float* u = ad.u + r * ad.parts * ad.rank;
+  int64_t part = 0, o = 0;
+  auto advance = [&](int64_t j) {
+    while (part + 1 < ad.parts && j >= ad.ends[part]) ++part;
+  };
+#if defined(__AVX512F__)
+  for (; o < width; o += 16) {
+    const int64_t len = std::min<int64_t>(16, width - o), j = j0 + o;
+    advance(j);
+    if (part + 1 < ad.parts && j + len > ad.ends[part]) break;
+    const __mmask16 mask = len == 16 ? 0xffff : static_cast<__mmask16>((1u << len) - 1);
+    const float* up = u + part * ad.rank;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ad.rank; ++t)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(up[t]), _mm512_maskz_loadu_ps(mask, ad.b + t * ad.n + j), acc);
+    _mm512_mask_storeu_ps(y + o, mask, _mm512_fmadd_ps(_mm512_set1_ps(weight), acc, _mm512_maskz_loadu_ps(mask, y + o)));
+  }
+#endif
+  for (; o < width; ++o) {
+    const int64_t j = j0 + o;
+    advance(j);
+    const float* up = u + part * ad.rank;
+    float acc = 0.f;
+    for (int64_t t = 0; t < ad.rank; ++t) acc += up[t] * ad.b[t * ad.n + j];
+    y[o] += weight * acc;
+  }
+}
+
 // Tiles [t0, t1) for the M token rows from m0 on.
 template <int M>
 void RowsTimesTiles(const int16_t* xq, const float* xs, const int8_t* tiles, const float* scale, const Adapters* ad,
                     float* y, int64_t m0, int64_t kp, int64_t n, int64_t t0, int64_t t1) {
   const int64_t pairs = kp / 2;
-  int64_t part = 0;
   for (int64_t t = t0; t < t1; ++t) {
     int64_t tot[M][kTile];
     TileTimesRows<M>(xq + m0 * kp, kp, tiles + t * pairs * 2 * kTile, pairs, tot);
-    for (int64_t o = 0; o < kTile && t * kTile + o < n; ++o) {
-      const int64_t j = t * kTile + o;
-      if (ad != nullptr)
-        while (part + 1 < ad->parts && j >= ad->ends[part]) ++part;
-      for (int r = 0; r < M; ++r) {
-        float out = static_cast<float>(static_cast<double>(tot[r][o]) * xs[m0 + r] * scale[j]);
-        if (ad != nullptr && ad->rows[m0 + r] != 0.f) {
-          const float* u = ad->u + (m0 + r) * ad->parts * ad->rank + part * ad->rank;
-          out += ad->rows[m0 + r] * Dot(u, ad->bt + j * ad->rank, ad->rank);
-        }
-        y[(m0 + r) * n + j] = out;
-      }
+    const int64_t j0 = t * kTile, width = std::min(kTile, n - j0);
+    for (int r = 0; r < M; ++r) {
+      float* yr = y + (m0 + r) * n + j0;
+      Finish(tot[r], xs[m0 + r], scale + j0, width, yr);
+      if (ad != nullptr && ad->rows[m0 + r] != 0.f) AddAdapters(*ad, m0 + r, j0, width, yr);
     }
   }
 }
@@ -258,7 +321,7 @@ static ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
 }
 
 static ffi::Error Int8LoraMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> tiles,
-                                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> at, ffi::Buffer<ffi::F32> bt,
+                                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> at, ffi::Buffer<ffi::F32> b,
                                      ffi::Buffer<ffi::S32> ends, ffi::Buffer<ffi::F32> rows,
                                      ffi::ResultBuffer<ffi::F32> y) {
   if (!WantTiles(x, tiles, scale)) {
@@ -267,13 +330,13 @@ static ffi::Error Int8LoraMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = scale.element_count();
   const int64_t parts = ends.element_count();
   auto ad_ = at.dimensions();
-  auto bd = bt.dimensions();
-  if (parts < 1 || ad_.size() != 2 || bd.size() != 2 || ad_[1] != k || bd[0] != n || ad_[0] != parts * bd[1] ||
+  auto bd = b.dimensions();
+  if (parts < 1 || ad_.size() != 2 || bd.size() != 2 || ad_[1] != k || bd[1] != n || ad_[0] != parts * bd[0] ||
       rows.element_count() != m) {
     return ffi::Error::InvalidArgument(
-        "int8_lora_matmul: want at [parts * rank, k], bt [n, rank], ends [parts] and rows [m]");
+        "int8_lora_matmul: want at [parts * rank, k], b [rank, n], ends [parts] and rows [m]");
   }
-  const int64_t rank = bd[1];
+  const int64_t rank = bd[0];
   // u = x @ A, [m, parts * rank], for the rows the adapters act on.
   std::vector<float> u(m * parts * rank, 0.f);
   const float* xp = x.typed_data();
@@ -281,14 +344,9 @@ static ffi::Error Int8LoraMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   const float* rp = rows.typed_data();
   for (int64_t r = 0; r < m; ++r) {
     if (rp[r] == 0.f) continue;
-    for (int64_t c = 0; c < parts * rank; ++c) {
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < k; ++i) acc += xp[r * k + i] * ap[c * k + i];
-      u[r * parts * rank + c] = acc;
-    }
+    for (int64_t c = 0; c < parts * rank; ++c) u[r * parts * rank + c] = Dot(xp + r * k, ap + c * k, k);
   }
-  Adapters ad{u.data(), bt.typed_data(), ends.typed_data(), parts, rank, rp};
+  Adapters ad{u.data(), b.typed_data(), ends.typed_data(), parts, rank, n, rp};
   return Multiply(pool, xp, m, k, tiles.typed_data(), scale.typed_data(), n, &ad, y->typed_data());
 }
 

@@ -1,4 +1,4 @@
-"""python -m mdlm_jax.eval --checkpoint=DIR [--data=PATH] [--profile=8] [--json]
+"""python -m mdlm_jax.eval --checkpoint=DIR [--data=PATH] [--seq_len=N] [--profile=8] [--json]
 
 NELBO / perplexity bound of an MDLM checkpoint (Monte Carlo over t, seeded),
 or the exact perplexity of an AR checkpoint, on the validation split of the
@@ -22,6 +22,8 @@ _DATA = flags.DEFINE_string("data", None, "folder, glob or .jsonl to evaluate on
 _TEXT_FIELD = flags.DEFINE_string("text_field", None, "jsonl text field (default: the training config's)")
 _NUM_BATCHES = flags.DEFINE_integer("num_batches", None, "batches to evaluate (default: config.eval.num_batches)")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "sequences per batch (default: config.data.batch_size)")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "tokens per evaluated row (default: config.data.seq_len; an"
+                                " imported model's is its whole context)")
 _TIME_SAMPLES = flags.DEFINE_integer("time_samples", None, "MC samples of t per sequence (MDLM only)")
 _SEED = flags.DEFINE_integer("seed", None, "seed of the t/mask draws (default: config.eval.seed)")
 _RAW = flags.DEFINE_bool("raw_params", False, "evaluate the raw params instead of the EMA")
@@ -44,7 +46,8 @@ def main(argv):
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     res = checkpoint_eval.evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value,
                                               _BATCH_SIZE.value, _TIME_SAMPLES.value, _SEED.value, _RAW.value,
-                                              _MESH.value, _PROFILE.value)
+                                              _MESH.value, _PROFILE.value,
+                                              seq_len=_SEQ_LEN.value)
   except cli.USER_ERRORS as e:
     cli.fail("eval", e)
   import jax

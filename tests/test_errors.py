@@ -152,3 +152,11 @@ def test_eval_cli_json_and_data_flag(trained, tmp_path):
   assert abs(profile["nats_per_token"] - sum(profile["by_t"]) / 2) < 1e-9 and profile["tokens"] == 8 * 64
   r3 = run_module("mdlm_jax.eval", f"--checkpoint={trained}", f"--data={data_file}", "--text_field=nope")
   assert r3.returncode != 0 and "'nope'" in r3.stderr and "Traceback" not in r3.stderr
+  # --seq_len: rows of that many tokens (an imported model's config says its whole context)
+  r4 = run_module("mdlm_jax.eval", f"--checkpoint={trained}", f"--data={data_file}", "--text_field=body",
+                  "--num_batches=1", "--json", "--seq_len=32")
+  short = json.loads(r4.stdout.strip().splitlines()[-1])
+  assert res["seq_len"] == 64 and short["seq_len"] == 32 and short["tokens"] == 8 * 32
+  r5 = run_module("mdlm_jax.eval", f"--checkpoint={trained}", f"--data={data_file}", "--text_field=body",
+                  "--seq_len=0")
+  assert r5.returncode != 0 and "--seq_len must be >= 1" in r5.stderr and "Traceback" not in r5.stderr

@@ -190,7 +190,8 @@ def main(argv=None):
   base = checkpoints.load(base_path)
   result = {"bench": "ablate", "config": a.config or "configs/a2d_code_small.py", "base": base_path,
             "steps": a.steps, "tokens_per_step": config.data.batch_size * config.data.seq_len, "variants": {}}
-  base_eval = evaluate_checkpoint(base_path, num_batches=a.eval_batches, batch_size=config.data.batch_size)
+  base_eval = evaluate_checkpoint(base_path, num_batches=a.eval_batches, batch_size=config.data.batch_size,
+                                  seq_len=config.data.seq_len)
   result["base_ppl"] = base_eval["ppl"]
   scorer = GenPPL(base)
   for name in a.variants:
@@ -200,7 +201,8 @@ def main(argv=None):
       row = train_variant(config, a.steps, stages, os.path.join(a.workdir, name))
     except cli.USER_ERRORS as e:
       cli.fail("bench ablate", ValueError(f"variant {name}: {e}"))
-    bound = evaluate_checkpoint(row["final"], num_batches=a.eval_batches, batch_size=config.data.batch_size)
+    bound = evaluate_checkpoint(row["final"], num_batches=a.eval_batches, batch_size=config.data.batch_size,
+                                seq_len=config.data.seq_len)
     row.update({"what": what, "bound_ppl": bound["ppl"], "bound_over_base": bound["ppl"] / base_eval["ppl"]})
     if a.code_prompts:
       model = checkpoints.load(row["final"])

@@ -7,6 +7,10 @@ linear in L, the reference's quadratic). On CPU: the kernels' numerics in
 interpret mode on small shapes, and a note that timings need an accelerator.
 --chunked-tiles times the plain-JAX chunked attention by tile size on any
 backend (on CPU, the one that runs from CHUNKED_FROM queries).
+--int8-rows times the int8 decoding products of SmolLM2-135M's shapes (its
+121 weights, random values, jitted as one chain of layers) at those token
+rows, without adapters and with rank-16 adapters on half the rows (an
+adapted model's noisy rows): what a decoding pass spends in the int8 kernel.
 """
 
 from __future__ import annotations
@@ -151,6 +155,59 @@ def check_numerics() -> dict:
   return out
 
 
+# SmolLM2-135M: per layer the joined q/k/v, o, the joined gate/up and down
+# weights ([out, in], adapter parts), then the vocabulary head.
+SMOLLM2_LAYER = {"qkv": (960, 576, 3), "o": (576, 576, 1), "gate_up": (3072, 576, 2), "down": (576, 1536, 1)}
+SMOLLM2_LAYERS, SMOLLM2_HEAD = 30, (49152, 576)
+
+
+def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SMOLLM2_LAYERS) -> dict:
+  """Milliseconds of SmolLM2-135M's int8 products at each token-row count
+  (fastest of `repeats` and the median), plain and with adapters on the
+  second half of the rows, and the multiply-accumulates a second; `layers`
+  fewer than its 30 for a quick look."""
+  from mdlm_jax.kernels import int8
+  rng = np.random.default_rng(0)
+
+  def weight(n, k, parts, adapted):
+    w = int8.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)).without_rows()
+    if adapted and parts:
+      pieces = [(rng.standard_normal((k, rank)).astype(np.float32) * 0.05,
+                 rng.standard_normal((rank, n // parts)).astype(np.float32) * 0.05) for _ in range(parts)]
+      w = w.replace(adapters=int8.join_adapters(pieces, 1.0))
+    return w
+
+  def chain(x, layers, head, rows):
+    for w in layers:  # the products' dependencies as a model's, with cheap nonlinearities between them
+      h = int8.int8_matmul(x, w["qkv"], rows)[:, :x.shape[1]]
+      h = int8.int8_matmul(jnp.tanh(h), w["o"], rows)
+      g = int8.int8_matmul(h, w["gate_up"], rows)
+      half = g.shape[1] // 2
+      x = x + int8.int8_matmul(jnp.tanh(g[:, :half]) * g[:, half:], w["down"], rows)
+    return int8.int8_matmul(x, head, False)
+
+  chain = jax.jit(chain)
+  macs = layers * sum(n * k for n, k, _ in SMOLLM2_LAYER.values()) + SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]
+  out = {"weights": macs, "layers": layers, "native_kernel": int8.native_kernel_ready()}
+  head = weight(*SMOLLM2_HEAD, 0, False)
+  for adapted in (False, True):
+    layers = [{name: weight(*shape, adapted) for name, shape in SMOLLM2_LAYER.items()}
+              for _ in range(layers)]
+    for m in rows_list:
+      x = jnp.asarray(rng.standard_normal((m, SMOLLM2_HEAD[1])), jnp.float32)
+      rows = jnp.arange(m) >= m // 2
+      jax.block_until_ready(chain(x, layers, head, rows))
+      times = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chain(x, layers, head, rows))
+        times.append(time.perf_counter() - t0)
+      best = min(times)
+      out[f"{'adapted' if adapted else 'plain'}_rows{m}"] = {
+          "ms": 1e3 * best, "median_ms": 1e3 * float(np.median(times)), "gmac_per_s": macs * m / best / 1e9}
+  return out
+
+
 def main(argv):
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench kernels",
                               description="Pallas / jax-triton kernels against their XLA references.")
@@ -165,6 +222,9 @@ def main(argv):
   p.add_argument("--chunked-tiles", default=None,
                  help="also time the XLA chunked attention (forward+backward) at these tile sizes, e.g."
                       " 64,128,256,512, on any backend, at --lengths")
+  p.add_argument("--int8-rows", default=None,
+                 help="also time SmolLM2-135M's int8 decoding products at these token rows, e.g. 1,4,8 (CPU)")
+  p.add_argument("--int8-layers", type=int, default=SMOLLM2_LAYERS, help="layers of those products (default: all 30)")
   common.add_output_flags(p)
   a = p.parse_args(argv)
   lengths = common.positive_ints(p, "--lengths", a.lengths)
@@ -172,7 +232,7 @@ def main(argv):
   if tiles and any(n % 16 for n in lengths):
     p.error(f"--chunked-tiles times the BD3 mask over [x_t ; x_0] in blocks of 8: --lengths must be multiples"
             f" of 16, got {a.lengths}")
-  for flag in ("batch", "heads", "head_dim", "embed_dim", "vocab", "repeats"):
+  for flag in ("batch", "heads", "head_dim", "embed_dim", "vocab", "repeats", "int8_layers"):
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
   result = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
@@ -183,4 +243,7 @@ def main(argv):
     result.update(timed=True, dtype=a.dtype, attention=time_attention(lengths, a), confidence_head=time_head(lengths, a))
   if tiles:
     result["chunked_attention"] = time_chunked_tiles(lengths, tiles, a)
+  if a.int8_rows:
+    result["int8_products"] = time_int8_products(common.positive_ints(p, "--int8-rows", a.int8_rows),
+                                                 max(a.repeats, 10), layers=a.int8_layers)
   common.emit(result, a)

@@ -23,7 +23,8 @@ def eval_mesh(mesh_text: str | None):
 
 
 def evaluate_checkpoint(checkpoint_path, data_path=None, text_field=None, num_batches=None, batch_size=None,
-                        time_samples=None, seed=None, raw_params=False, mesh_text=None, profile=0) -> dict:
+                        time_samples=None, seed=None, raw_params=False, mesh_text=None, profile=0,
+                        seq_len=None) -> dict:
   from mdlm_jax import data
   from mdlm_jax.training import evaluation
   from mdlm_jax.diffusion import objectives
@@ -37,14 +38,15 @@ def evaluate_checkpoint(checkpoint_path, data_path=None, text_field=None, num_ba
     docs = data.load_all_documents(data_path, text_field)
   else:
     docs = data.load_documents(c.data.corpus, "validation", c.data.validation_fraction, text_field)
-  for name, v in (("num_batches", num_batches), ("batch_size", batch_size), ("time_samples", time_samples)):
+  for name, v in (("num_batches", num_batches), ("batch_size", batch_size), ("time_samples", time_samples),
+                  ("seq_len", seq_len)):
     if v is not None and v < 1:
       raise ValueError(f"--{name} must be >= 1, got {v}")
   batch_size = batch_size or c.data.batch_size
   shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   if batch_size % shards:
     raise ValueError(f"--batch_size={batch_size} does not split over the mesh's {shards} batch shards")
-  batches = data.make_eval_batches(docs, loaded.tokenizer, seq_len=c.data.seq_len, batch_size=batch_size,
+  batches = data.make_eval_batches(docs, loaded.tokenizer, seq_len=seq_len or c.data.seq_len, batch_size=batch_size,
                                    num_batches=num_batches or c.eval.num_batches)
   objective = objectives.from_config(c, loaded.tokenizer.mask_id)
   res = evaluation.evaluate(loaded.spec, objective, loaded.params, batches,
@@ -56,7 +58,7 @@ def evaluate_checkpoint(checkpoint_path, data_path=None, text_field=None, num_ba
                        f" over {jax.process_count()} processes")
     res["profile"] = evaluation.bound_profile(loaded.spec, objective, loaded.params, batches, time_samples=profile,
                                               seed=c.eval.seed if seed is None else seed)
-  res.update({"checkpoint": checkpoint_path, "step": loaded.step, "objective": c.objective,
+  res.update({"checkpoint": checkpoint_path, "step": loaded.step, "seq_len": seq_len or c.data.seq_len, "objective": c.objective,
               "data": data_path or f"{c.data.corpus} (validation)",
               "params": "raw" if raw_params or not loaded.has_ema else "ema"})
   return res

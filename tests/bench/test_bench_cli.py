@@ -96,6 +96,18 @@ def test_bench_kernels_on_cpu_checks_numerics():
              for row in timed.values())
 
 
+def test_bench_kernels_times_the_int8_products_at_each_row_count():
+  from mdlm_jax.bench import kernels as bench_kernels
+  out = bench_kernels.time_int8_products([1, 3], repeats=2, layers=1)
+  shapes = [*bench_kernels.SMOLLM2_LAYER.values()]
+  assert out["weights"] == sum(n * k for n, k, _ in shapes) + 49152 * 576 and out["layers"] == 1
+  for kind in ("plain", "adapted"):
+    for m in (1, 3):
+      row = out[f"{kind}_rows{m}"]
+      assert 0 < row["ms"] <= row["median_ms"]
+      assert row["gmac_per_s"] == pytest.approx(out["weights"] * m / row["ms"] / 1e6)
+
+
 def test_bench_longctx(tiny_checkpoints, tmp_path):
   out = _bench("longctx", f"--checkpoint={tiny_checkpoints['mdlm']}", "--lengths=256,1024", "--time-up-to=256",
                "--beside-length=200", "--prefill-chunks=0,64", "--short-requests=2", "--short-tokens=16",

@@ -103,16 +103,20 @@ def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
   np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6 if kernels.native_kernel_ready() else 1e-4)
 
 
-def test_the_kernel_built_without_vnni_forms_the_same_exact_sums(tmp_path, monkeypatch):
-  """The plain-loop path, for CPUs without AVX-512 VNNI, built and checked
-  here: exact integer sums over long rows (each chunk's int32 sum stays
-  below 2^31), adapters on chosen rows."""
+@pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
+def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_path, monkeypatch):
+  """The paths for CPUs without AVX-512 VNNI (a plain integer loop) or
+  without AVX-512 (scalar rounding, epilogue and adapters), built and checked
+  here: exact integer sums over long rows (each chunk's int32 sum stays below
+  2^31), and adapters on chosen rows."""
   if not kernels.native_kernel_ready():
     pytest.skip("no C++ compiler on this machine")
   import ctypes
   monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
-  lib = ctypes.cdll.LoadLibrary(int8._build(("-mno-avx512vnni",)))
-  jax.ffi.register_ffi_target("test_int8_matmul_plain", jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
+  lib = ctypes.cdll.LoadLibrary(int8._build(flags))
+  name = "test_int8_matmul_" + flags[0].strip("-").replace("-", "_")
+  jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(name + "_lora", jax.ffi.pycapsule(lib.Int8LoraMatmul), platform="cpu")
   rng, seed = fresh_rng()
   k, n, rows = int(rng.integers(2000, 9000)), int(rng.integers(3, 70)), int(rng.integers(1, 12))
   q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
@@ -122,10 +126,21 @@ def test_the_kernel_built_without_vnni_forms_the_same_exact_sums(tmp_path, monke
   x[0] = np.abs(x[0])  # with row 0 of q, a sum of the largest products
   out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
   tiles = kernels.tile_weights(jnp.asarray(q))
-  got = np.asarray(jax.ffi.ffi_call("test_int8_matmul_plain", out)(jnp.asarray(x), tiles, jnp.asarray(scale)))
+  got = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), tiles, jnp.asarray(scale)))
   xq, xs = rows_rounded_to_int16(x)
   want = (xq @ q.astype(np.int64).T) * xs[:, None].astype(np.float64) * scale.astype(np.float64)[None, :]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"seed {seed}")
+  # two adapters splitting the outputs at a random row, on a random choice of token rows
+  rank, cut = int(rng.integers(1, 9)), int(rng.integers(1, n)) if n > 1 else 1
+  a = [rng.normal(size=(k, rank)).astype(np.float32) / np.sqrt(k) for _ in range(2)]
+  b = [rng.normal(size=(rank, w)).astype(np.float32) for w in (cut, n - cut)]
+  ad = kernels.join_adapters(list(zip(a, b)), 0.5)
+  chosen = rng.random(rows) < 0.5
+  got = np.asarray(jax.ffi.ffi_call(name + "_lora", out)(jnp.asarray(x), tiles, jnp.asarray(scale), ad.at, ad.b,
+                                                         ad.ends, jnp.asarray(chosen, jnp.float32)), np.float64)
+  delta = np.concatenate([x.astype(np.float64) @ ai @ bi for ai, bi in zip(a, b)], axis=1) * 0.5
+  want = want + delta * chosen[:, None]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
 
 
 def test_the_kernel_runs_on_cpu_for_few_rows_and_xla_for_more():

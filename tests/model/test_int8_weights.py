@@ -119,7 +119,7 @@ def test_adapters_joined_into_int8_weights_act_on_the_noisy_rows_as_separate_one
     m.setattr(int8, "native_kernel_ready", lambda: False)
     np.testing.assert_allclose(got, logits(q.params), rtol=0, atol=tol)
   # the adapters matter here: without them the block's logits move
-  zeroed = jax.tree.map(lambda x: x.replace(adapters=x.adapters.replace(bt=0 * x.adapters.bt))
+  zeroed = jax.tree.map(lambda x: x.replace(adapters=x.adapters.replace(b=0 * x.adapters.b))
                         if isinstance(x, kernels.QuantizedWeight) and x.adapters is not None else x, q.params,
                         is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight))
   assert np.abs(logits(zeroed) - got).max() > 20 * tol
