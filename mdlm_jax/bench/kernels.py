@@ -191,16 +191,15 @@ def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SM
   out = {"weights": macs, "layers": layers, "native_kernel": int8.native_kernel_ready()}
   head = weight(*SMOLLM2_HEAD, 0, False)
   for adapted in (False, True):
-    layers = [{name: weight(*shape, adapted) for name, shape in SMOLLM2_LAYER.items()}
-              for _ in range(layers)]
+    stack = [{name: weight(*shape, adapted) for name, shape in SMOLLM2_LAYER.items()} for _ in range(layers)]
     for m in rows_list:
       x = jnp.asarray(rng.standard_normal((m, SMOLLM2_HEAD[1])), jnp.float32)
       rows = jnp.arange(m) >= m // 2
-      jax.block_until_ready(chain(x, layers, head, rows))
+      jax.block_until_ready(chain(x, stack, head, rows))
       times = []
       for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(chain(x, layers, head, rows))
+        jax.block_until_ready(chain(x, stack, head, rows))
         times.append(time.perf_counter() - t0)
       best = min(times)
       out[f"{'adapted' if adapted else 'plain'}_rows{m}"] = {
