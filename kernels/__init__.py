@@ -10,7 +10,8 @@ Implementations:
   sequence (forward and backward). `cache_attention` reads a long KV cache
   in its stored layout, in place, and a shorter one up to a power-of-two
   span past the furthest filled slot, so a decoding pass costs about the
-  filled prefix, not the whole buffer.
+  filled prefix, not the whole buffer. On CPU a decoding pass's few queries
+  over the cache take one C++ call a layer instead (`cpu_attention.py`).
 - "pallas": the Pallas kernel for the running backend on GPU (Triton) and TPU
   (Mosaic); "xla" elsewhere (CPU), since interpreted kernels are slow.
 - "pallas_interpret": the Pallas kernel (GPU variant) under the Pallas
@@ -43,6 +44,7 @@ from mdlm_jax.kernels.chunked_attention import chunked_attention, chunked_cache_
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
+from mdlm_jax.kernels import cpu_attention
 from mdlm_jax.kernels.int8 import (LowRank, QuantizedWeight, int8_matmul, join_adapters, native_kernel_ready, quantize,
                                    tile_weights)
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, resolve
@@ -203,6 +205,8 @@ def cache_attention(q, k_cache, v_cache, *, layer=None, causal: bool = False,
   query may read (a "prefix" mask's furthest end, found on the device): a
   decoding pass early in a long buffer reads and copies its filled start,
   not the whole buffer, and compiles one branch per span."""
+  if not causal and cpu_attention.serves(q, k_cache, v_cache, layer, mask, implementation):
+    return cpu_attention.cpu_cache_attention(q, k_cache, v_cache, layer, mask)
   mesh = jax.sharding.get_abstract_mesh()
   s = v_cache.shape[-2]
   prefix = not causal and isinstance(mask, AttentionMask) and mask.kind == "prefix"

@@ -11,7 +11,7 @@ its sums with the int8 weights are exact. It reads the weights in tiles of
 32 output rows (`tile_weights`, made once by `quantize`). Widening the weights to float32
 instead made the kernel bound by instructions, not bytes. It is compiled on
 first use with the machine's C++ compiler (`$CXX`, else g++) into the cache
-folder; without a compiler, and on other backends, the product is XLA's
+folder, in one library with the CPU decoding attention (`cpu_attention.py`); without a compiler, and on other backends, the product is XLA's
 convert-then-dot over the same rounded rows, slower and the same numbers to
 float32 rounding.
 """
@@ -41,7 +41,11 @@ from jaxtyping import Array, Bool, Float, Int8, Int32
 KERNEL_MAX_ROWS = 64
 FFI_TARGET = "mdlm_jax_int8_matmul"
 LORA_FFI_TARGET = "mdlm_jax_int8_lora_matmul"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_matmul.cc")
+ATTENTION_FFI_TARGET = "mdlm_jax_cache_attention"  # kernels/cpu_attention.py
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The CPU kernels, built into one library: these products and the decoding attention.
+_SOURCES = tuple(os.path.join(_HERE, name) for name in ("int8_matmul.cc", "cache_attention.cc"))
+_HEADERS = (os.path.join(_HERE, "cpu_pool.h"),)
 
 
 @struct.dataclass
@@ -224,6 +228,7 @@ def native_kernel_ready() -> bool:
         lib = ctypes.cdll.LoadLibrary(_build())
         jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(LORA_FFI_TARGET, jax.ffi.pycapsule(lib.Int8LoraMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         print(f"int8 weights: the CPU kernel could not be built ({e}); using XLA's slower convert-then-dot",
@@ -239,19 +244,21 @@ def _build(extra_flags: tuple[str, ...] = ()) -> str:
   if not compiler:
     raise RuntimeError("no C++ compiler (set $CXX or install g++)")
   flags = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w", *extra_flags]
-  with open(_SOURCE, "rb") as f:
-    source = f.read()
+  source = b""
+  for name in _SOURCES + _HEADERS:
+    with open(name, "rb") as f:
+      source += f.read()
   key = hashlib.sha256(source + " ".join([compiler, *flags, jax.__version__]).encode()).hexdigest()[:16]
   root = os.environ.get("MDLM_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mdlm_jax")
   out_dir = os.path.join(root, "kernels")
-  path = os.path.join(out_dir, f"int8_matmul-{key}.so")
+  path = os.path.join(out_dir, f"cpu_kernels-{key}.so")
   if os.path.exists(path):
     return path
   os.makedirs(out_dir, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
   try:
-    subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp], check=True,
+    subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), "-I", _HERE, *_SOURCES, "-o", tmp], check=True,
                    capture_output=True, text=True)
     os.replace(tmp, path)
   except subprocess.CalledProcessError as e:

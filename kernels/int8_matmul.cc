@@ -38,9 +38,11 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using mdlm_jax::ForEachChunk;
 
 namespace {
 
@@ -254,30 +256,6 @@ using Block = void (*)(const int16_t*, const float*, const int8_t*, const float*
 constexpr int kMaxBlock = 8;
 constexpr Block kBlocks[kMaxBlock] = {RowsTimesTiles<1>, RowsTimesTiles<2>, RowsTimesTiles<3>, RowsTimesTiles<4>,
                                       RowsTimesTiles<5>, RowsTimesTiles<6>, RowsTimesTiles<7>, RowsTimesTiles<8>};
-
-// Runs fn(c) for c in [0, chunks) on the calling thread and XLA's pool, each
-// taking the next chunk until none is left; returns when all are done. A
-// task the pool starts late finds no chunk and touches nothing else.
-template <typename F>
-void ForEachChunk(ffi::ThreadPool& pool, int64_t chunks, F fn) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  // Helpers hold `state` alive; `fn` is read only while a chunk is left, and
-  // the caller waits for every chunk, so it outlives those reads.
-  auto work = [state, chunks, fnp = &fn]() {
-    for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
-      (*fnp)(c);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
-  work();
-  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
-}
 
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const int8_t* tiles,
                     const float* scale, int64_t n, const Adapters* ad, float* y) {

@@ -1,0 +1,190 @@
+// Attention of a decoding pass's few queries over one layer of the KV cache,
+// on CPU, called from JAX through the XLA FFI (kernels/cpu_attention.py).
+//
+// A decoding pass at batch 1 has one to a few tens of queries and a cache of
+// a few hundred filled slots: a few million multiply-adds a layer. Through
+// XLA:CPU that took a copy of the layer's keys and values out of the cache
+// buffer, then half a dozen small dots and softmax fusions, each an
+// operation with its own dispatch (about a fifth of a revising pass of the
+// packaged default, measured). Here one call reads the layer in place, up to
+// each query's last readable slot only.
+//
+// The mask is the cache's structural "prefix" mask: query i reads slot j when
+// kv_valid[j] and j < q_end[i]. Scores and softmax are float32, as in the
+// reference (`kernels.attention_reference`); a query that may read no slot
+// gets zeros.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using mdlm_jax::ForEachChunk;
+
+namespace {
+
+// Queries that share a key/value head are scored together, so each key and
+// value row is read once for this many of them.
+constexpr int64_t kQueries = 4;
+
+#if defined(__AVX512F__)
+// e^x in 16 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-7
+// polynomial in r, then 2^n), a couple of float32 ulps from exp; lanes below
+// -87 give 0 as masked scores must.
+inline __m512 Exp(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.0f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+#endif
+
+// Up to kQueries queries of one key/value head: `q` their rows (d floats
+// each, already scaled), `keys` [d, s] and `values` [s, d] of the layer,
+// `ends` each query's readable end, `valid` the slots' flags; `out` their
+// output rows. `scores` holds kQueries * s floats.
+void Queries(const float* const* q, int64_t nq, const float* keys, const float* values, const bool* valid,
+             const int64_t* ends, int64_t s, int64_t d, float* scores, float* const* out) {
+  int64_t reach = 0;
+  for (int64_t i = 0; i < nq; ++i) reach = std::max(reach, ends[i]);
+  // Scores: each row of the keys is read once for all the queries.
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j < reach; j += 16) {
+    const __mmask16 mask = reach - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (reach - j)) - 1);
+    __m512 acc[kQueries];
+    for (int64_t i = 0; i < kQueries; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; ++c) {
+      const __m512 k = _mm512_maskz_loadu_ps(mask, keys + c * s + j);
+      for (int64_t i = 0; i < nq; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][c]), k, acc[i]);
+    }
+    for (int64_t i = 0; i < nq; ++i) _mm512_mask_storeu_ps(scores + i * s + j, mask, acc[i]);
+  }
+#else
+  for (int64_t i = 0; i < nq; ++i)
+    for (j = 0; j < reach; ++j) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < d; ++c) acc += q[i][c] * keys[c * s + j];
+      scores[i * s + j] = acc;
+    }
+#endif
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < nq; ++i) {
+    float* row = scores + i * s;
+    float top = kMasked;
+    for (j = 0; j < ends[i]; ++j) {
+      if (!valid[j]) row[j] = kMasked;
+      top = std::max(top, row[j]);
+    }
+    float* o = out[i];
+    std::fill(o, o + d, 0.f);
+    if (top == kMasked) continue;  // nothing to read
+    float total = 0.f;
+    j = 0;
+#if defined(__AVX512F__)
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (; j + 16 <= ends[i]; j += 16) {
+      const __m512 e = Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+      _mm512_storeu_ps(row + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; j < ends[i]; ++j) {
+      row[j] = std::exp(row[j] - top);
+      total += row[j];
+    }
+    const float inv = 1.f / total;
+    for (j = 0; j < ends[i]; ++j) {
+      if (row[j] == 0.f) continue;
+      const float p = row[j] * inv;
+      const float* v = values + j * d;
+      for (int64_t c = 0; c < d; ++c) o[c] += p * v[c];
+    }
+  }
+}
+
+}  // namespace
+
+// q [b, l, h, d]; keys [n, B, g, d, s] and values [n, B, g, s, d], every
+// layer's buffer, of which `layer` and the first b rows are read; q_end
+// [b, l]; kv_valid [b, s]; out [b, l, h, d].
+static ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                                     ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> q_end,
+                                     ffi::Buffer<ffi::PRED> kv_valid, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
+                                     float scale) {
+  auto qd = q.dimensions();
+  auto kd = keys.dimensions();
+  auto vd = values.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5) {
+    return ffi::Error::InvalidArgument("cache_attention: want q [b, l, h, d] and [n, B, g, ...] key/value buffers");
+  }
+  const int64_t b = qd[0], l = qd[1], h = qd[2], d = qd[3];
+  const int64_t n = kd[0], rows = kd[1], g = kd[2], s = kd[4];
+  if (kd[3] != d || vd[0] != n || vd[1] != rows || vd[2] != g || vd[3] != s || vd[4] != d || rows < b ||
+      g < 1 || h % g || layer < 0 || layer >= n || q_end.element_count() != b * l ||
+      kv_valid.element_count() != b * s) {
+    return ffi::Error::InvalidArgument(
+        "cache_attention: want keys [n, B >= b, g, d, s], values [n, B, g, s, d], h a multiple of g, a layer in"
+        " [0, n), q_end [b, l] and kv_valid [b, s]");
+  }
+  const int64_t per_group = h / g, queries = l * per_group;
+  const int64_t blocks = (queries + kQueries - 1) / kQueries;
+  const float* qp = q.typed_data();
+  const float* kp = keys.typed_data() + layer * rows * g * d * s;
+  const float* vp = values.typed_data() + layer * rows * g * s * d;
+  const int32_t* ends = q_end.typed_data();
+  const bool* valid = kv_valid.typed_data();
+  float* op = out->typed_data();
+  // Scaled query rows, [b, l, h, d].
+  std::vector<float> scaled(b * l * h * d);
+  for (int64_t i = 0; i < b * l * h * d; ++i) scaled[i] = qp[i] * scale;
+  ForEachChunk(pool, b * g * blocks, [&](int64_t item) {
+    const int64_t row = item / (g * blocks), group = item / blocks % g, block = item % blocks;
+    const float* qs[kQueries];
+    float* os[kQueries];
+    int64_t reach[kQueries];
+    const int64_t first = block * kQueries, nq = std::min(kQueries, queries - first);
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t query = (first + i) / per_group, head = group * per_group + (first + i) % per_group;
+      const int64_t at = ((row * l + query) * h + head) * d;
+      qs[i] = scaled.data() + at;
+      os[i] = op + at;
+      reach[i] = std::clamp<int64_t>(ends[row * l + query], 0, s);
+    }
+    std::vector<float> scores(kQueries * s);
+    Queries(qs, nq, kp + (row * g + group) * d * s, vp + (row * g + group) * s * d, valid + row * s, reach, s, d,
+            scores.data(), os);
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<float>("scale"));

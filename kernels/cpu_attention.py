@@ -1,0 +1,54 @@
+"""Attention of a decoding pass's few queries over the KV cache, on CPU.
+
+Through XLA:CPU a pass's attention over a short cache was a copy of each
+layer's keys and values out of the buffer, then small dots and softmax
+fusions, each an operation with its own dispatch: about a fifth of a
+revising pass of the packaged default, though the arithmetic is a few
+million multiply-adds a layer. `cache_attention.cc` (built with the int8
+kernel, `int8.native_kernel_ready`) does it in one call that reads the
+layer's buffer in place, each query up to the end its mask allows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from mdlm_jax.kernels import int8
+from mdlm_jax.kernels.masks import AttentionMask
+
+# Up to this many queries a call serves (a decoding pass's rows: a block, a
+# revising head and its block, a few slots); a prefill takes XLA's path.
+MAX_QUERIES = 64
+
+
+def serves(q, k_cache, v_cache, layer, mask, implementation: str) -> bool:
+  """Whether the kernel runs this `cache_attention` call: on CPU, float32,
+  every layer's buffer with `layer` given, a prefix mask without segments,
+  few queries, no device mesh of more than one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return (implementation == "xla" and jax.default_backend() == "cpu" and layer is not None
+          and isinstance(mask, AttentionMask) and mask.kind == "prefix" and not mask.has_segments
+          and q.ndim == 4 and k_cache.ndim == 5 and q.shape[1] <= MAX_QUERIES
+          and all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache))
+          and (mesh is None or mesh.empty or mesh.size == 1) and int8.native_kernel_ready())
+
+
+def cpu_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "n B g d s"],
+                        v_cache: Float[Array, "n B g s d"], layer: int, mask: AttentionMask) -> Float[Array, "b l h d"]:
+  """Softmax attention of q over layer `layer` of the cache buffers (their
+  first b rows), query i reading slot j where `mask.kv_valid[j]` and j <
+  `mask.q_end[i]`; float32 scores; a query that may read no slot gets
+  zeros."""
+  if not int8.native_kernel_ready():
+    raise RuntimeError("the CPU kernels could not be built: cache_attention takes XLA's path")
+  b, l, _, d = q.shape
+  s = v_cache.shape[-2]
+  q_end = jnp.broadcast_to(mask.q_end, (b, l)).astype(jnp.int32)
+  kv_valid = (jnp.ones((b, s), jnp.bool_) if mask.kv_valid is None
+              else jnp.broadcast_to(mask.kv_valid, (b, s)).astype(jnp.bool_))
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  return jax.ffi.ffi_call(int8.ATTENTION_FFI_TARGET, out)(q, k_cache, v_cache, q_end, kv_valid,
+                                                          layer=np.int64(layer), scale=np.float32(d ** -0.5))

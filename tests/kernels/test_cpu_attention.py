@@ -1,0 +1,116 @@
+"""The CPU decoding attention (`kernels/cache_attention.cc`) against a float64
+numpy softmax attention, on fresh random shapes, masks and values; and which
+`cache_attention` calls it serves."""
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax import kernels
+from mdlm_jax.kernels import cpu_attention, int8
+
+pytestmark = pytest.mark.skipif(not kernels.native_kernel_ready(), reason="no C++ compiler on this machine")
+
+
+def fresh_rng():
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  return np.random.default_rng(seed), seed
+
+
+def numpy_attention(q, keys, values, layer, q_end, kv_valid):
+  """float64 softmax attention of q [b, l, h, d] over the cache buffers'
+  layer (keys [n, B, g, d, s], values [n, B, g, s, d]); zeros where a query
+  may read nothing."""
+  b, l, h, d = q.shape
+  g, s = keys.shape[2], keys.shape[-1]
+  out = np.zeros((b, l, h, d))
+  for row in range(b):
+    for i in range(l):
+      allowed = kv_valid[row] & (np.arange(s) < q_end[row, i])
+      if not allowed.any():
+        continue
+      for head in range(h):
+        group = head // (h // g)
+        k = keys[layer, row, group].astype(np.float64)  # [d, s]
+        v = values[layer, row, group].astype(np.float64)  # [s, d]
+        scores = q[row, i, head].astype(np.float64) @ k / np.sqrt(d)
+        scores = np.where(allowed, scores, -np.inf)
+        p = np.exp(scores - scores.max())
+        out[row, i, head] = (p / p.sum()) @ v
+  return out
+
+
+def random_case(rng):
+  n, g, r, d = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(3, 97))
+  b, l, s = int(rng.integers(1, 4)), int(rng.integers(1, 20)), int(rng.integers(1, 700))
+  rows = b + int(rng.integers(0, 2))  # the buffer may hold more rows than the queries read
+  q = rng.normal(size=(b, l, g * r, d)).astype(np.float32) * 2
+  keys = rng.normal(size=(n, rows, g, d, s)).astype(np.float32)
+  values = rng.normal(size=(n, rows, g, s, d)).astype(np.float32)
+  q_end = rng.integers(0, s + 3, size=(b, l)).astype(np.int32)  # 0: nothing to read; past s: clamped
+  kv_valid = rng.random((b, s)) < rng.uniform(0.3, 1)
+  return q, keys, values, int(rng.integers(0, n)), q_end, kv_valid
+
+
+def test_the_kernel_equals_a_float64_softmax_attention_on_random_masks():
+  for _ in range(6):
+    rng, seed = fresh_rng()
+    q, keys, values, layer, q_end, kv_valid = random_case(rng)
+    mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(q_end), kv_valid=jnp.asarray(kv_valid))
+    got = jax.jit(cpu_attention.cpu_cache_attention, static_argnums=3)(
+        jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), layer, mask)
+    want = numpy_attention(q, keys, values, layer, q_end, kv_valid)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",)], ids=["no-avx512"])
+def test_the_kernel_built_without_avx512_computes_the_same(flags, tmp_path, monkeypatch):
+  monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
+  lib = ctypes.cdll.LoadLibrary(int8._build(flags))
+  jax.ffi.register_ffi_target("test_cache_attention_plain", jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
+  rng, seed = fresh_rng()
+  q, keys, values, layer, q_end, kv_valid = random_case(rng)
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  got = jax.ffi.ffi_call("test_cache_attention_plain", out)(
+      jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(q_end), jnp.asarray(kv_valid),
+      layer=np.int64(layer), scale=np.float32(q.shape[-1] ** -0.5))
+  want = numpy_attention(q, keys, values, layer, q_end, kv_valid)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
+
+
+def test_cache_attention_serves_a_decoding_pass_with_the_kernel_and_the_same_values(monkeypatch):
+  """Through `cache_attention` as the model calls it (every layer's buffer,
+  a prefix mask): the kernel's values equal XLA's path's, and the kernel is
+  what ran (its answer for a query that reads nothing is zeros, XLA's the
+  mean of the values)."""
+  rng, seed = fresh_rng()
+  q, keys, values, layer, q_end, kv_valid = random_case(rng)
+  q_end[0, 0] = 0
+  mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(q_end), kv_valid=jnp.asarray(kv_valid))
+  args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values))
+  assert cpu_attention.serves(*args, layer, mask, "xla")
+  run = jax.jit(lambda q, k, v, mask: kernels.cache_attention(q, k, v, layer=layer, mask=mask))
+  got = np.asarray(run(*args, mask))
+  with monkeypatch.context() as m:
+    m.setattr(cpu_attention, "serves", lambda *a: False)
+    xla = np.asarray(jax.jit(lambda q, k, v, mask: kernels.cache_attention(q, k, v, layer=layer, mask=mask))(
+        *args, mask))
+  reads = (kv_valid[:, None, :] & (np.arange(kv_valid.shape[1]) < q_end[..., None])).any(-1)  # [b, l]
+  np.testing.assert_allclose(got[reads], xla[reads], rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
+  np.testing.assert_array_equal(got[0, 0], 0.0)
+
+
+def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu():
+  q, k, v = jnp.zeros((1, 4, 2, 8)), jnp.zeros((2, 1, 1, 8, 16)), jnp.zeros((2, 1, 1, 16, 8))
+  prefix = kernels.AttentionMask(kind="prefix", q_end=jnp.ones((1, 4), jnp.int32), kv_valid=jnp.ones((1, 16), bool))
+  assert cpu_attention.serves(q, k, v, 1, prefix, "xla")
+  assert not cpu_attention.serves(q, k, v, None, prefix, "xla")  # one layer's buffer, not every layer's
+  assert not cpu_attention.serves(q, k, v, 1, kernels.AttentionMask(kind="causal"), "xla")
+  assert not cpu_attention.serves(q, k, v, 1, prefix, "reference")
+  assert not cpu_attention.serves(q.astype(jnp.bfloat16), k, v, 1, prefix, "xla")
+  many = jnp.zeros((1, cpu_attention.MAX_QUERIES + 1, 2, 8))
+  assert not cpu_attention.serves(many, k, v, 1, prefix.replace(q_end=jnp.ones((1, many.shape[1]), jnp.int32)),
+                                  "xla")
