@@ -59,11 +59,13 @@ inline __m512 Exp(__m512 x) {
 // Up to kQueries queries of one key/value head: `q` their rows (d floats
 // each, already scaled), `keys` [d, s] and `values` [s, d] of the layer,
 // `ends` each query's readable end, `valid` the slots' flags; `out` their
-// output rows. `scores` holds kQueries * s floats.
+// output rows.
 void Queries(const float* const* q, int64_t nq, const float* keys, const float* values, const bool* valid,
-             const int64_t* ends, int64_t s, int64_t d, float* scores, float* const* out) {
+             const int64_t* ends, int64_t s, int64_t d, float* const* out) {
   int64_t reach = 0;
   for (int64_t i = 0; i < nq; ++i) reach = std::max(reach, ends[i]);
+  // Each query's scores, then probabilities, over the slots up to the furthest end.
+  std::vector<float> scores(nq * reach);
   // Scores: each row of the keys is read once for all the queries.
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -75,19 +77,19 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       const __m512 k = _mm512_maskz_loadu_ps(mask, keys + c * s + j);
       for (int64_t i = 0; i < nq; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][c]), k, acc[i]);
     }
-    for (int64_t i = 0; i < nq; ++i) _mm512_mask_storeu_ps(scores + i * s + j, mask, acc[i]);
+    for (int64_t i = 0; i < nq; ++i) _mm512_mask_storeu_ps(scores.data() + i * reach + j, mask, acc[i]);
   }
 #else
   for (int64_t i = 0; i < nq; ++i)
     for (j = 0; j < reach; ++j) {
       float acc = 0.f;
       for (int64_t c = 0; c < d; ++c) acc += q[i][c] * keys[c * s + j];
-      scores[i * s + j] = acc;
+      scores[i * reach + j] = acc;
     }
 #endif
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < nq; ++i) {
-    float* row = scores + i * s;
+    float* row = scores.data() + i * reach;
     float top = kMasked;
     for (j = 0; j < ends[i]; ++j) {
       if (!valid[j]) row[j] = kMasked;
@@ -170,9 +172,7 @@ static ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
       os[i] = op + at;
       reach[i] = std::clamp<int64_t>(ends[row * l + query], 0, s);
     }
-    std::vector<float> scores(kQueries * s);
-    Queries(qs, nq, kp + (row * g + group) * d * s, vp + (row * g + group) * s * d, valid + row * s, reach, s, d,
-            scores.data(), os);
+    Queries(qs, nq, kp + (row * g + group) * d * s, vp + (row * g + group) * s * d, valid + row * s, reach, s, d, os);
   });
   return ffi::Error::Success();
 }

@@ -43,7 +43,7 @@ def cpu_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "n B g
   `mask.q_end[i]`; float32 scores; a query that may read no slot gets
   zeros."""
   if not int8.native_kernel_ready():
-    raise RuntimeError("the CPU kernels could not be built: cache_attention takes XLA's path")
+    raise RuntimeError("the CPU kernels could not be built: call kernels.cache_attention, which then takes XLA's path")
   b, l, _, d = q.shape
   s = v_cache.shape[-2]
   q_end = jnp.broadcast_to(mask.q_end, (b, l)).astype(jnp.int32)

@@ -11,7 +11,8 @@ its sums with the int8 weights are exact. It reads the weights in tiles of
 32 output rows (`tile_weights`, made once by `quantize`). Widening the weights to float32
 instead made the kernel bound by instructions, not bytes. It is compiled on
 first use with the machine's C++ compiler (`$CXX`, else g++) into the cache
-folder, in one library with the CPU decoding attention (`cpu_attention.py`); without a compiler, and on other backends, the product is XLA's
+folder, in one library with the CPU decoding attention (`cpu_attention.py`);
+without a compiler, and on other backends, the product is XLA's
 convert-then-dot over the same rounded rows, slower and the same numbers to
 float32 rounding.
 """
@@ -236,7 +237,8 @@ def native_kernel_ready() -> bool:
         jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
-        print(f"int8 weights: the CPU kernel could not be built ({e}); using XLA's slower convert-then-dot",
+        print(f"the CPU kernels could not be built ({e}): int8 products use XLA's slower convert-then-dot,"
+              " decoding attention XLA's dots",
               file=sys.stderr)
         _state["ready"] = False
     return bool(_state["ready"])

@@ -30,12 +30,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -109,23 +106,6 @@ struct Adapters {
   int64_t n;
   const float* rows;
 };
-
-// sum_i a[i] * b[i] in float32, four sums in flight (one chain of fused
-// multiply-adds waits on each one's latency).
-inline float Dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float out = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (; i + 64 <= n; i += 64)
-    for (int j = 0; j < 4; ++j)
-      acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * j), _mm512_loadu_ps(b + i + 16 * j), acc[j]);
-  for (; i + 16 <= n; i += 16) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc[0]);
-  out = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-#endif
-  for (; i < n; ++i) out += a[i] * b[i];
-  return out;
-}
 
 // tot[r][o] = sum_i xq[r, i] * w[o, i] for the M token rows and the kTile
 // output rows of one tile (`pairs` column pairs), exactly. With VNNI one
@@ -220,7 +200,8 @@ inline void AddAdapters(const Adapters& ad, int64_t r, int64_t j0, int64_t width
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = 0; t < ad.rank; ++t)
       acc = _mm512_fmadd_ps(_mm512_set1_ps(up[t]), _mm512_maskz_loadu_ps(mask, ad.b + t * ad.n + j), acc);
-    _mm512_mask_storeu_ps(y + o, mask, _mm512_fmadd_ps(_mm512_set1_ps(weight), acc, _mm512_maskz_loadu_ps(mask, y + o)));
+    const __m512 before = _mm512_maskz_loadu_ps(mask, y + o);
+    _mm512_mask_storeu_ps(y + o, mask, _mm512_fmadd_ps(_mm512_set1_ps(weight), acc, before));
   }
 #endif
   for (; o < width; ++o) {
@@ -322,7 +303,12 @@ static ffi::Error Int8LoraMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   const float* rp = rows.typed_data();
   for (int64_t r = 0; r < m; ++r) {
     if (rp[r] == 0.f) continue;
-    for (int64_t c = 0; c < parts * rank; ++c) u[r * parts * rank + c] = Dot(xp + r * k, ap + c * k, k);
+    for (int64_t c = 0; c < parts * rank; ++c) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < k; ++i) acc += xp[r * k + i] * ap[c * k + i];
+      u[r * parts * rank + c] = acc;
+    }
   }
   Adapters ad{u.data(), b.typed_data(), ends.typed_data(), parts, rank, n, rp};
   return Multiply(pool, xp, m, k, tiles.typed_data(), scale.typed_data(), n, &ad, y->typed_data());

@@ -58,7 +58,8 @@ def evaluate_checkpoint(checkpoint_path, data_path=None, text_field=None, num_ba
                        f" over {jax.process_count()} processes")
     res["profile"] = evaluation.bound_profile(loaded.spec, objective, loaded.params, batches, time_samples=profile,
                                               seed=c.eval.seed if seed is None else seed)
-  res.update({"checkpoint": checkpoint_path, "step": loaded.step, "seq_len": seq_len or c.data.seq_len, "objective": c.objective,
+  res.update({"checkpoint": checkpoint_path, "step": loaded.step, "seq_len": seq_len or c.data.seq_len,
+              "objective": c.objective,
               "data": data_path or f"{c.data.corpus} (validation)",
               "params": "raw" if raw_params or not loaded.has_ema else "ema"})
   return res
