@@ -57,7 +57,7 @@ class Engine:
   default, on CPU, passes over a few slots read an [out, in] copy and larger
   passes and prefills the trained layout, each the faster there (the engine
   then holds the weights twice); elsewhere the weights as loaded.
-  `decode_dtype="int8"`: the copy for passes over a few slots holds
+  `decode_dtype="int8"` (or "w8a8"): the copy for passes over a few slots holds
   weight-only int8 weights (a quarter of the bytes a pass reads).
   `grammar_policy`: how much of a constrained pass's grammatical prefix to
   commit (`grammar.Constraint.accept`).
@@ -137,10 +137,9 @@ class Engine:
     self.grammar_policy = grammar_policy
     # A model trained with fill-in-the-middle reads the PSM prompt instead.
     self.fim = fim.format_for(loaded.config, tok)
-    # (model, admit, step) for passes over at most FEW_ROWS token rows and for larger ones.
-    few_programs = slots_lib.compile_programs(few.spec, self.sc)
-    self._few = (few, *few_programs)
-    self._many = self._few if many is few else (many, *slots_lib.compile_programs(many.spec, self.sc))
+    # The programs for passes over at most FEW_ROWS token rows and for larger ones.
+    self._few = slots_lib.compile_programs(few, self.sc)
+    self._many = self._few if many is few else slots_lib.compile_programs(many, self.sc)
     self._min_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
     state = slots_lib.init_slots(loaded.spec, self.sc)  # on this process's default device
     with self._mesh_context():
@@ -180,7 +179,7 @@ class Engine:
   @property
   def weight_layouts(self) -> list[str]:
     """The weight layouts its passes read (two on CPU by default)."""
-    return sorted({self._few[0].spec.cfg.weight_layout, self._many[0].spec.cfg.weight_layout})
+    return sorted({self._few.model.spec.cfg.weight_layout, self._many.model.spec.cfg.weight_layout})
 
   @property
   def num_slots(self) -> int:
@@ -216,10 +215,10 @@ class Engine:
       for bucket in self._prefill_buckets():
         sizes = [(k, False) for k in admit_sizes(bucket, self.admit_batch)]
         for k, resume in sizes + ([(1, True)] if self.prefill_chunk else []):
-          model, admit, _ = self._programs_for(k * bucket)
-          self._signatures["prefills"].add((id(model), k, bucket, resume))
+          programs = self._programs_for(k * bucket)
+          self._signatures["prefills"].add((id(programs.model), k, bucket, resume))
           ones = np.ones((k,), np.int32)
-          self._state = admit(model.params, self._state, np.arange(k, dtype=np.int32),
+          self._state = programs.admit(programs.leaves, self._state, np.arange(k, dtype=np.int32),
                               np.full((k, bucket), self.tok.pad_id, np.int32),
                               np.broadcast_to(np.arange(bucket, dtype=np.int32), (k, bucket)), ones, ones, ones,
                               rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32),
@@ -286,7 +285,7 @@ class Engine:
 
   def weight_layout_for(self, token_rows: int) -> str:
     """The weight layout a pass or prefill over this many token rows reads."""
-    return self._programs_for(token_rows)[0].spec.cfg.weight_layout
+    return self._programs_for(token_rows).model.spec.cfg.weight_layout
 
   @property
   def cache_buffer_bytes(self) -> int:
@@ -302,10 +301,11 @@ class Engine:
     """The optimised HLO of the pass over `slots` slots, for inspection (what
     a pass copies or rewrites). Call before start()."""
     rows = self._rows_for(slots)
-    model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
+    programs = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(()) if guided else None
     with self._mesh_context():
-      return step.lower(model.params, self._state, ops, None, rows=rows, with_head=with_head).compile().as_text()
+      lowered = programs.step.lower(programs.leaves, self._state, ops, None, rows=rows, with_head=with_head)
+      return lowered.compile().as_text()
 
   def compiled(self) -> dict[str, int]:
     """How many pass and prefill programs are compiled, over both weight
@@ -634,10 +634,10 @@ class Engine:
         fixed[j, :len(tokens)], pos[j, :len(tokens)] = tokens, positions
       requests = [turn.admits[i][1] for i in group]
       decoding = jax.tree.map(lambda *x: np.concatenate(x), *(r.sampler.decoding(1) for r in requests))
-      model, admit, _ = self._programs_for(k * bucket)
-      self._signatures["prefills"].add((id(model), k, bucket, resume))
+      programs = self._programs_for(k * bucket)
+      self._signatures["prefills"].add((id(programs.model), k, bucket, resume))
       self.stats["prefills"] += 1
-      self._state = admit(model.params, self._state, ints(turn.admits[i][0] for i in group), fixed, pos,
+      self._state = programs.admit(programs.leaves, self._state, ints(turn.admits[i][0] for i in group), fixed, pos,
                           ints(len(rows_of[i][0]) for i in group), ints(len(r.prompt_ids) for r in requests),
                           ints(-(-r.max_tokens // self.sc.block_size) for r in requests), decoding,
                           np.stack([turn.admits[i][2] for i in group]), np.asarray([last[i] for i in group]),
@@ -660,8 +660,8 @@ class Engine:
       forced[row, off + proposed:off + len(toks)] = True
     return rows, tokens, take, cursor, allowed, forced
 
-  def _programs_for(self, token_rows: int):
-    """(model, admit, step) for a pass or prefill over this many token rows."""
+  def _programs_for(self, token_rows: int) -> slots_lib.Programs:
+    """The programs for a pass or prefill over this many token rows."""
     return self._few if token_rows <= FEW_ROWS else self._many
 
   def _run_pass(self, rows: int, with_head: bool, guided: bool = False, logprobs: bool = False,
@@ -671,10 +671,10 @@ class Engine:
     for while a constrained request is busy, the host's `guides` for the
     constrained rows written first in the same program (one dispatch a pass).
     `revising`: a busy request revises (`slots.step`)."""
-    model, _, step = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
+    programs = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
-    self._signatures["passes"].add((id(model), rows, with_head, logprobs, guided, revising))
-    self._state, self._view = step(model.params, self._state, ops, self.draft_table if revising else None,
+    self._signatures["passes"].add((id(programs.model), rows, with_head, logprobs, guided, revising))
+    self._state, self._view = programs.step(programs.leaves, self._state, ops, self.draft_table if revising else None,
                                    rows=rows, with_head=with_head,
                                    logprobs=logprobs, revising=revising)
 

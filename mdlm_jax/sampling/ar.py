@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling import rule
-from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
+from mdlm_jax.sampling.gumbel import argmax, gumbel_argmax, random_words, top_p_filter
 
 if TYPE_CHECKING:
   from mdlm_jax.model.spec import ModelSpec
@@ -34,7 +34,7 @@ def sample_token(logits: Float[Array, "b v"], key: PRNGKeyArray, *, temperature:
   if never:
     logits = logits.at[:, list(never)].set(-jnp.inf)
   if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
   logits = logits / temperature
   if top_p < 1.0:
     logits = top_p_filter(logits, top_p)

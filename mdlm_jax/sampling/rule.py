@@ -47,7 +47,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax import kernels
 from mdlm_jax.kernels.numerics import NEG_INF
-from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words, top_p_filter
+from mdlm_jax.sampling.gumbel import argmax, gumbel_argmax, random_words, top_p_filter
 
 NEVER = 2.0  # a threshold no probability reaches: commit by rank alone
 MAX_LOGIT_BIAS = 300  # the most logit_bias entries a row may carry
@@ -181,7 +181,7 @@ def propose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperatur
       return x0, conf
     logits = head.logits()
   logits = exclude(logits, tuple(never))
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
 
   def sampled():
     b, t, v = logits.shape

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from mdlm_jax import kernels
 from mdlm_jax.diffusion import Schedule
 from mdlm_jax.sampling import rule
+from mdlm_jax.sampling.gumbel import argmax
 
 Denoise = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -510,7 +511,7 @@ class AncestralSampler:
         jnp.any(masked),
         lambda: logits_for(s["tokens"], ts[-1], s["logits"], s["cache_ok"]),
         lambda: (s["logits"], jnp.zeros((), jnp.int32)))
-    x0 = jnp.argmax(rule.exclude(logits, lay.never_proposed), axis=-1).astype(jnp.int32)
+    x0 = argmax(rule.exclude(logits, lay.never_proposed))
     tokens = jnp.where(masked, x0, s["tokens"])
     drafts, n = _record(s["drafts"], s["n_drafts"], tokens, record, emit)
     return {"tokens": tokens, "nfe": s["nfe"] + ran, "steps": jnp.asarray(self.steps + 1, jnp.int32),

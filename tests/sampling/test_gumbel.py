@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdlm_jax.sampling.gumbel import gumbel_argmax, random_words
+from mdlm_jax.sampling.gumbel import argmax, gumbel_argmax, random_words
 
 
 def _reference_argmax(logits, words, temperature):
@@ -13,6 +13,20 @@ def _reference_argmax(logits, words, temperature):
   hi, lo = (np.asarray(w, np.uint64) for w in words)
   u = (((hi >> 6) << 26) + (lo >> 6)).astype(np.float64) * 2.0**-52 + 2.0**-53
   return np.argmax(np.asarray(logits, np.float64) / temperature - np.log(-np.log(u)), axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_argmax_is_numpys_first_index(dtype):
+  """Ties (values drawn from a few levels) go to the first index, as do
+  -inf rows and NaN (numpy's argmax takes the first NaN)."""
+  rng = np.random.default_rng()
+  x = rng.integers(-3, 4, size=(3, 5, 1000)).astype(dtype)
+  x[0, 1] = -np.inf
+  x[1, 2, rng.integers(1000, size=3)] = np.nan
+  with jax.enable_x64(dtype == np.float64):
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
 def test_float64_reaches_the_tail_float32_cannot():
