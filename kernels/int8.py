@@ -47,6 +47,8 @@ from jaxtyping import Array, Bool, Float, Int8, Int32
 KERNEL_MAX_ROWS = 256
 FFI_TARGET = "mdlm_jax_int8_matmul"
 LORA_FFI_TARGET = "mdlm_jax_int8_lora_matmul"
+A8_FFI_TARGET = "mdlm_jax_int8_a8_matmul"
+A8_LORA_FFI_TARGET = "mdlm_jax_int8_a8_lora_matmul"
 ATTENTION_FFI_TARGET = "mdlm_jax_cache_attention"  # kernels/cpu_attention.py
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The CPU kernels, built into one library: these products and the decoding attention.
@@ -87,22 +89,32 @@ def join_adapters(adapters: list[tuple[Array, Array]], scale: float) -> LowRank:
 
 KERNEL_TILE = 32  # output rows a tile holds (the kernel's kTile)
 KERNEL_PAD = 8  # a tile's columns are padded to a multiple of this (kPad)
+ACTIVATION_GROUP = 32  # columns of a token row sharing one 8-bit scale (kGroup)
 
 
-def tile_weights(q2d: Int8[Array, "n k"]) -> Int8[Array, "t p 32 2"]:
+def tile_weights(q2d: Int8[Array, "n k"], activation_bits: int = 16) -> Array:
   """An [out, in] int8 weight in the kernel's layout: tiles of KERNEL_TILE
-  output rows, each tile [column pairs, rows, 2] (row o's columns 2i and
-  2i + 1 side by side at [i, o]), rows and columns padded with zeros."""
+  output rows, rows and columns padded with zeros. For int16 token rows each
+  tile is [column pairs, rows, 2] (row o's columns 2i and 2i + 1 side by side
+  at [i, o]), int8; for 8-bit rows [column quads, rows, 4], held as uint8
+  w + 128 (vpdpbusd's unsigned operand), the columns padded to whole
+  ACTIVATION_GROUPs."""
+  if activation_bits not in (8, 16):
+    raise ValueError(f"token rows are rounded to 8 or 16 bits, not {activation_bits}")
   n, k = q2d.shape
-  t, kp = -(-n // KERNEL_TILE), -(-k // KERNEL_PAD) * KERNEL_PAD
+  wide, pad = (2, KERNEL_PAD) if activation_bits == 16 else (4, ACTIVATION_GROUP)
+  t, kp = -(-n // KERNEL_TILE), -(-k // pad) * pad
   q = jnp.pad(q2d, ((0, t * KERNEL_TILE - n), (0, kp - k)))
-  return q.reshape(t, KERNEL_TILE, kp // 2, 2).transpose(0, 2, 1, 3)
+  tiles = q.reshape(t, KERNEL_TILE, kp // wide, wide).transpose(0, 2, 1, 3)
+  return tiles if activation_bits == 16 else (tiles.astype(jnp.int16) + 128).astype(jnp.uint8)
 
 
-def untile_weights(tiles: Int8[Array, "t p 32 2"], n: int, k: int) -> Int8[Array, "n k"]:
-  """The [out, in] weight `tile_weights` made `tiles` from."""
-  t, pairs = tiles.shape[:2]
-  return tiles.transpose(0, 2, 1, 3).reshape(t * KERNEL_TILE, 2 * pairs)[:n, :k]
+def untile_weights(tiles: Array, n: int, k: int) -> Int8[Array, "n k"]:
+  """The [out, in] weight `tile_weights` made `tiles` from (either layout)."""
+  t, groups, _, wide = tiles.shape
+  if tiles.dtype == jnp.uint8:
+    tiles = (tiles.astype(jnp.int16) - 128).astype(jnp.int8)
+  return tiles.transpose(0, 2, 1, 3).reshape(t * KERNEL_TILE, wide * groups)[:n, :k]
 
 
 @struct.dataclass
@@ -117,7 +129,8 @@ class QuantizedWeight:
   rows in the same call. `tiles` (`tile_weights` of the [out, in] form) are
   what the CPU kernel reads; a weight only multiplied holds them alone
   (`without_rows`: `q` None, its shape kept), one also gathered from (an
-  embedding table) both."""
+  embedding table) both. Their layout says how the product rounds the token
+  rows (`activation_bits`)."""
 
   q: Int8[Array, "..."] | None
   scale: Float[Array, "..."]
@@ -137,6 +150,12 @@ class QuantizedWeight:
   @property
   def ndim(self) -> int:
     return len(self.shape)
+
+  @property
+  def activation_bits(self) -> int:
+    """The bits the product rounds token rows to: 8 (in groups of
+    ACTIVATION_GROUP columns) for uint8 tiles, else 16."""
+    return 8 if self.tiles is not None and self.tiles.dtype == jnp.uint8 else 16
 
   def without_rows(self) -> "QuantizedWeight":
     """The same weight holding only its tiles (a weight no pass gathers from)."""
@@ -168,15 +187,16 @@ class QuantizedWeight:
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def quantize(w: Float[Array, "..."], out_dims: int = 1) -> QuantizedWeight:
+def quantize(w: Float[Array, "..."], out_dims: int = 1, activation_bits: int = 16) -> QuantizedWeight:
   """Symmetric per-row int8 of a weight stored with its `out_dims` output
-  dimensions first: each row's largest magnitude maps to 127."""
+  dimensions first: each row's largest magnitude maps to 127. Its products
+  round the token rows to `activation_bits` (8 or 16)."""
   w = jnp.asarray(w, jnp.float32)
   axes = tuple(range(out_dims, w.ndim))
   amax = jnp.max(jnp.abs(w), axis=axes)
   scale = jnp.where(amax > 0, amax / 127.0, 1.0)
   q = jnp.clip(jnp.round(w / scale.reshape(scale.shape + (1,) * len(axes))), -127, 127).astype(jnp.int8)
-  return QuantizedWeight(q, scale, tiles=tile_weights(q.reshape(scale.size, -1)))
+  return QuantizedWeight(q, scale, tiles=tile_weights(q.reshape(scale.size, -1), activation_bits))
 
 
 ACTIVATION_MAX = 32767.0
@@ -190,9 +210,22 @@ def round_rows_to_int16(x2d: Float[Array, "m k"]) -> tuple[Float[Array, "m k"], 
   return jnp.clip(jnp.round(x2d / xs[:, None]), -ACTIVATION_MAX, ACTIVATION_MAX), xs
 
 
+def round_rows_to_int8_groups(x2d: Float[Array, "m k"]) -> tuple[Float[Array, "m kg"], Float[Array, "m g"]]:
+  """Each row as int8 values (held in float32) in groups of ACTIVATION_GROUP
+  columns, zeros past k, and each group's scale, as the 8-bit kernel rounds
+  them: a group's largest magnitude maps to 127, halves to even."""
+  m, k = x2d.shape
+  kg = -(-k // ACTIVATION_GROUP) * ACTIVATION_GROUP
+  xg = jnp.pad(x2d, ((0, 0), (0, kg - k))).reshape(m, kg // ACTIVATION_GROUP, ACTIVATION_GROUP)
+  amax = jnp.max(jnp.abs(xg), axis=2)
+  xs = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.clip(jnp.round(xg / xs[..., None]), -127.0, 127.0).reshape(m, kg), xs
+
+
 def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
                 adapter_rows: Bool[Array, "m"] | bool | None = None) -> Float[Array, "m n"]:
-  """x2d [tokens, in], each row rounded to int16, times the 2-D [out, in] `w`:
+  """x2d [tokens, in], each row rounded to int16 (or to int8 in groups, as
+  `w.activation_bits` says), times the 2-D [out, in] `w`:
   [tokens, out], float32. With `w.adapters`, the token rows `adapter_rows`
   says (None: all, False: none) also get the adapters' update, formed from the
   unrounded rows in float32."""
@@ -205,9 +238,16 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
     rows = (jnp.ones((x2d.shape[0],), jnp.float32) if adapter_rows is None
             else jnp.reshape(adapter_rows, (-1,)).astype(jnp.float32))
 
+  bits = w.activation_bits
+
   def with_xla(x, q, scale):
-    xq, xs = round_rows_to_int16(x)
-    y = jnp.einsum("mk,nk->mn", xq, q.astype(jnp.float32)) * xs[:, None] * scale
+    if bits == 16:
+      xq, xs = round_rows_to_int16(x)
+      y = jnp.einsum("mk,nk->mn", xq, q.astype(jnp.float32)) * xs[:, None] * scale
+    else:
+      xq, xs = round_rows_to_int8_groups(x)
+      xr = (xq.reshape(*xs.shape, ACTIVATION_GROUP) * xs[..., None]).reshape(xq.shape)[:, :x.shape[1]]
+      y = jnp.einsum("mk,nk->mn", xr, q.astype(jnp.float32)) * scale
     return y if ad is None else y + ad.delta(x) * rows[:, None]
 
   # Decided while tracing, not with lax.platform_dependent: its conditional
@@ -216,9 +256,10 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
     return with_xla(x2d, w.matrix(), w.scale)
   out = jax.ShapeDtypeStruct((x2d.shape[0], w.shape[0]), jnp.float32)
   tiles = w.tiles if w.tiles is not None else tile_weights(w.q)  # made here, every call, for a bare weight
+  plain, lora = (FFI_TARGET, LORA_FFI_TARGET) if bits == 16 else (A8_FFI_TARGET, A8_LORA_FFI_TARGET)
   if ad is None:
-    return jax.ffi.ffi_call(FFI_TARGET, out)(x2d, tiles, w.scale)
-  return jax.ffi.ffi_call(LORA_FFI_TARGET, out)(x2d, tiles, w.scale, ad.at, ad.b, ad.ends, rows)
+    return jax.ffi.ffi_call(plain, out)(x2d, tiles, w.scale)
+  return jax.ffi.ffi_call(lora, out)(x2d, tiles, w.scale, ad.at, ad.b, ad.ends, rows)
 
 
 _lock = threading.Lock()
@@ -234,6 +275,8 @@ def native_kernel_ready() -> bool:
         lib = ctypes.cdll.LoadLibrary(_build())
         jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(LORA_FFI_TARGET, jax.ffi.pycapsule(lib.Int8LoraMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(A8_FFI_TARGET, jax.ffi.pycapsule(lib.Int8A8Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(A8_LORA_FFI_TARGET, jax.ffi.pycapsule(lib.Int8A8LoraMatmul), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:

@@ -22,6 +22,14 @@
 // kernel starts no threads of its own beside XLA's (an OpenMP team decoded
 // at the same speed to within a few percent, measured).
 //
+// Int8A8Matmul (the "w8a8" decode dtype) rounds the token rows to 8 bits
+// instead, with a scale per row and group of kGroup columns (llama.cpp's Q8_0
+// blocks, so an outlier column coarsens only its own group), and multiplies
+// with vpdpbusd: 64 products an instruction and no widening of the weights,
+// which it reads as uint8 (w + 128) in tiles of column quads
+// (`kernels.tile_weights(q, 8)`). The offset comes back out exactly:
+// each group's sums start at -128 * sum(xq) of that group.
+//
 // Int8LoraMatmul adds low-rank adapters to chosen token rows in the same call
 // (y[m] += rows[m] * (x[m] @ A_p) @ B_p over the output rows of adapter p):
 // a diffusion model adapted from a frozen AR base applies them to its noisy
@@ -33,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -90,6 +99,118 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t kp, int16_t* xq,
     }
     for (int64_t j = k; j < kp; ++j) out[j] = 0;
   }
+}
+
+// Columns of a token row that share one 8-bit scale ("w8a8"); a multiple of 16.
+constexpr int64_t kGroup = 32;
+constexpr float kInt8Max = 127.f;
+
+// Rounds each of the m rows of x [m, k] to int8 with a scale per group of
+// kGroup columns, into rows of kg columns (zeros past k): xs [m, kg / kGroup]
+// the scales (max |x| of the group / 127, 1 for an all-zero group), xoff the
+// groups' -128 * sum(xq), which undoes the weights' +128 offset. The same
+// IEEE division and round-half-to-even in vectors and in the scalar form
+// (`kernels.round_rows_to_int8_groups` is the reference).
+void QuantizeRowsA8(const float* x, int64_t m, int64_t k, int64_t kg, int8_t* xq, float* xs, int32_t* xoff) {
+  const int64_t groups = kg / kGroup;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = x + r * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c0 = g * kGroup, len = std::max<int64_t>(0, std::min(kGroup, k - c0));
+      int8_t* out = xq + r * kg + c0;
+      float amax = 0.f;
+      int32_t sum = 0;
+      int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      __m512 v[kGroup / 16];
+      for (int h = 0; h < kGroup / 16; ++h) {
+        const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * h));
+        const __mmask16 mask = left == 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+        v[h] = _mm512_maskz_loadu_ps(mask, row + c0 + 16 * h);
+        amax = std::fmax(amax, _mm512_reduce_max_ps(_mm512_abs_ps(v[h])));
+      }
+      const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
+      const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-kInt8Max), hi = _mm512_set1_ps(kInt8Max);
+      for (int h = 0; h < kGroup / 16; ++h) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[h], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
+        sum += _mm512_reduce_add_epi32(qi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(qi));
+      }
+      i = kGroup;
+#else
+      for (int64_t c = 0; c < len; ++c) amax = std::fmax(amax, std::fabs(row[c0 + c]));
+      const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
+#endif
+      for (; i < kGroup; ++i) {
+        float q = i < len ? std::nearbyint(row[c0 + i] / scale) : 0.f;
+        q = std::fmin(std::fmax(q, -kInt8Max), kInt8Max);
+        out[i] = static_cast<int8_t>(q);
+        sum += static_cast<int32_t>(q);
+      }
+      xs[r * groups + g] = scale;
+      xoff[r * groups + g] = -128 * sum;
+    }
+  }
+}
+
+// tot[r][o] = sum_g xs[r, g] * sum_{i in g} xq[r, i] * w[o, i] for the M
+// token rows and the kTile output rows of one tile of column quads, the
+// weights held as uint8 w + 128. Each group's integer sums are exact (below
+// 2^24, so exact in float too) and are scaled and added in float32.
+template <int M>
+inline void TileTimesRowsA8(const int8_t* xq, int64_t kg, const float* xs, const int32_t* xoff, const uint8_t* w,
+                            float (*tot)[kTile]) {
+  const int64_t groups = kg / kGroup;
+  constexpr int64_t kQuads = kGroup / 4;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 facc[M][2];
+  for (int r = 0; r < M; ++r) facc[r][0] = facc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[M][2];
+    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_set1_epi32(xoff[r * groups + g]);
+    for (int64_t i = g * kQuads; i < (g + 1) * kQuads; ++i) {
+      const uint8_t* wi = w + i * 4 * kTile;
+      const __m512i w0 = _mm512_loadu_si512(wi);
+      const __m512i w1 = _mm512_loadu_si512(wi + 64);
+      for (int r = 0; r < M; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * kg + 4 * i, sizeof(quad));
+        const __m512i xb = _mm512_set1_epi32(quad);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m512 sx = _mm512_set1_ps(xs[r * groups + g]);
+      facc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), sx, facc[r][0]);
+      facc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), sx, facc[r][1]);
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    _mm512_storeu_ps(tot[r], facc[r][0]);
+    _mm512_storeu_ps(tot[r] + 16, facc[r][1]);
+  }
+#else
+  for (int r = 0; r < M; ++r) {
+    const int8_t* xr = xq + r * kg;
+    for (int64_t o = 0; o < kTile; ++o) tot[r][o] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t acc[kTile];
+      for (int64_t o = 0; o < kTile; ++o) acc[o] = xoff[r * groups + g];
+      for (int64_t i = g * kQuads; i < (g + 1) * kQuads; ++i) {
+        const uint8_t* wi = w + i * 4 * kTile;
+        const int32_t x0 = xr[4 * i], x1 = xr[4 * i + 1], x2 = xr[4 * i + 2], x3 = xr[4 * i + 3];
+#pragma omp simd
+        for (int64_t o = 0; o < kTile; ++o)
+          acc[o] += x0 * int32_t(wi[4 * o]) + x1 * int32_t(wi[4 * o + 1]) + x2 * int32_t(wi[4 * o + 2]) +
+                    x3 * int32_t(wi[4 * o + 3]);
+      }
+      const float sx = xs[r * groups + g];
+      for (int64_t o = 0; o < kTile; ++o) tot[r][o] += static_cast<float>(acc[o]) * sx;
+    }
+  }
+#endif
 }
 
 // Low-rank adapters of one weight's output rows: u = x @ A for every token
@@ -238,13 +359,10 @@ constexpr int kMaxBlock = 8;
 constexpr Block kBlocks[kMaxBlock] = {RowsTimesTiles<1>, RowsTimesTiles<2>, RowsTimesTiles<3>, RowsTimesTiles<4>,
                                       RowsTimesTiles<5>, RowsTimesTiles<6>, RowsTimesTiles<7>, RowsTimesTiles<8>};
 
-ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const int8_t* tiles,
-                    const float* scale, int64_t n, const Adapters* ad, float* y) {
-  const int64_t kp = (k + kPad - 1) / kPad * kPad;
-  std::vector<int16_t> xq(m * kp);
-  std::vector<float> xs(m);
-  QuantizeRows(x, m, k, kp, xq.data(), xs.data());
-  // A few chunks of tiles a thread, for balance.
+// fn(m0, rows, t0, t1) for the blocks of at most kMaxBlock token rows, each
+// over every tile: a few chunks of tiles a thread, for balance.
+template <typename Fn>
+void ForTiles(ffi::ThreadPool& pool, int64_t m, int64_t n, Fn fn) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t count = (n + kTile - 1) / kTile;
   const int64_t per = std::max<int64_t>(1, (count + 4 * threads - 1) / (4 * threads));
@@ -252,55 +370,100 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k,
   for (int64_t m0 = 0; m0 < m; m0 += kMaxBlock) {
     const int64_t rows = std::min<int64_t>(m - m0, kMaxBlock);
     ForEachChunk(pool, chunks, [&](int64_t c) {
-      const int64_t t0 = c * per, t1 = std::min(count, t0 + per);
-      kBlocks[rows - 1](xq.data(), xs.data(), tiles, scale, ad, y, m0, kp, n, t0, t1);
+      const int64_t t0 = c * per;
+      fn(m0, rows, t0, std::min(count, t0 + per));
     });
   }
+}
+
+ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const int8_t* tiles,
+                    const float* scale, int64_t n, const Adapters* ad, float* y) {
+  const int64_t kp = (k + kPad - 1) / kPad * kPad;
+  std::vector<int16_t> xq(m * kp);
+  std::vector<float> xs(m);
+  QuantizeRows(x, m, k, kp, xq.data(), xs.data());
+  ForTiles(pool, m, n, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+    kBlocks[rows - 1](xq.data(), xs.data(), tiles, scale, ad, y, m0, kp, n, t0, t1);
+  });
   return ffi::Error::Success();
 }
 
-// x [m, k], tiles [ceil(n / kTile), ceil(k / kPad) * kPad / 2, kTile, 2], scale [n].
-bool WantTiles(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& tiles, ffi::Buffer<ffi::F32>& scale) {
+// Tiles [t0, t1) for the M token rows from m0 on, with 8-bit token rows.
+template <int M>
+void RowsTimesTilesA8(const int8_t* xq, const float* xs, const int32_t* xoff, const uint8_t* tiles,
+                      const float* scale, const Adapters* ad, float* y, int64_t m0, int64_t kg, int64_t n, int64_t t0,
+                      int64_t t1) {
+  const int64_t groups = kg / kGroup;
+  for (int64_t t = t0; t < t1; ++t) {
+    float tot[M][kTile];
+    TileTimesRowsA8<M>(xq + m0 * kg, kg, xs + m0 * groups, xoff + m0 * groups, tiles + t * kg * kTile, tot);
+    const int64_t j0 = t * kTile, width = std::min(kTile, n - j0);
+    for (int r = 0; r < M; ++r) {
+      float* yr = y + (m0 + r) * n + j0;
+      for (int64_t o = 0; o < width; ++o) yr[o] = tot[r][o] * scale[j0 + o];
+      if (ad != nullptr && ad->rows[m0 + r] != 0.f) AddAdapters(*ad, m0 + r, j0, width, yr);
+    }
+  }
+}
+
+using BlockA8 = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*, const Adapters*,
+                         float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr BlockA8 kBlocksA8[kMaxBlock] = {RowsTimesTilesA8<1>, RowsTimesTilesA8<2>, RowsTimesTilesA8<3>,
+                                          RowsTimesTilesA8<4>, RowsTimesTilesA8<5>, RowsTimesTilesA8<6>,
+                                          RowsTimesTilesA8<7>, RowsTimesTilesA8<8>};
+
+ffi::Error MultiplyA8(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const uint8_t* tiles,
+                      const float* scale, int64_t n, const Adapters* ad, float* y) {
+  const int64_t kg = (k + kGroup - 1) / kGroup * kGroup, groups = kg / kGroup;
+  std::vector<int8_t> xq(m * kg);
+  std::vector<float> xs(m * groups);
+  std::vector<int32_t> xoff(m * groups);
+  QuantizeRowsA8(x, m, k, kg, xq.data(), xs.data(), xoff.data());
+  ForTiles(pool, m, n, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+    kBlocksA8[rows - 1](xq.data(), xs.data(), xoff.data(), tiles, scale, ad, y, m0, kg, n, t0, t1);
+  });
+  return ffi::Error::Success();
+}
+
+// x [m, k], tiles [ceil(n / kTile), kp / kWide, kTile, kWide] with the
+// columns padded to kp (int16 rows: pairs, kp a multiple of kPad; 8-bit rows:
+// quads, kp a multiple of kGroup), scale [n].
+template <typename Tiles>
+bool WantTiles(ffi::Buffer<ffi::F32>& x, Tiles& tiles, ffi::Buffer<ffi::F32>& scale, int64_t wide, int64_t pad) {
   auto xd = x.dimensions();
   auto td = tiles.dimensions();
   const int64_t n = scale.element_count();
   return xd.size() == 2 && td.size() == 4 && td[0] == (n + kTile - 1) / kTile &&
-         td[1] == (xd[1] + kPad - 1) / kPad * kPad / 2 && td[2] == kTile && td[3] == 2;
+         td[1] == (xd[1] + pad - 1) / pad * pad / wide && td[2] == kTile && td[3] == wide;
 }
 
-}  // namespace
+// The adapters' operands of a call: at [parts * rank, k], b [rank, n], ends
+// [parts], rows [m].
+struct AdapterOperands {
+  ffi::Buffer<ffi::F32>& at;
+  ffi::Buffer<ffi::F32>& b;
+  ffi::Buffer<ffi::S32>& ends;
+  ffi::Buffer<ffi::F32>& rows;
+};
 
-static ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> tiles,
-                                 ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  if (!WantTiles(x, tiles, scale)) {
-    return ffi::Error::InvalidArgument("int8_matmul: want x [m, k], scale [n] and the tiles of an [n, k] weight");
-  }
-  return Multiply(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], tiles.typed_data(), scale.typed_data(),
-                  scale.element_count(), nullptr, y->typed_data());
-}
-
-static ffi::Error Int8LoraMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> tiles,
-                                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> at, ffi::Buffer<ffi::F32> b,
-                                     ffi::Buffer<ffi::S32> ends, ffi::Buffer<ffi::F32> rows,
-                                     ffi::ResultBuffer<ffi::F32> y) {
-  if (!WantTiles(x, tiles, scale)) {
-    return ffi::Error::InvalidArgument("int8_lora_matmul: want x [m, k], scale [n] and the tiles of an [n, k] weight");
-  }
-  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = scale.element_count();
-  const int64_t parts = ends.element_count();
-  auto ad_ = at.dimensions();
-  auto bd = b.dimensions();
+// The adapters' operands checked, and u = x @ A [m, parts * rank] for the
+// token rows they act on (zeros elsewhere).
+ffi::Error AdapterInputs(ffi::Buffer<ffi::F32>& x, int64_t n, const AdapterOperands& op, std::vector<float>& u,
+                         Adapters& ad) {
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  const int64_t parts = op.ends.element_count();
+  auto ad_ = op.at.dimensions();
+  auto bd = op.b.dimensions();
   if (parts < 1 || ad_.size() != 2 || bd.size() != 2 || ad_[1] != k || bd[1] != n || ad_[0] != parts * bd[0] ||
-      rows.element_count() != m) {
+      op.rows.element_count() != m) {
     return ffi::Error::InvalidArgument(
         "int8_lora_matmul: want at [parts * rank, k], b [rank, n], ends [parts] and rows [m]");
   }
   const int64_t rank = bd[0];
-  // u = x @ A, [m, parts * rank], for the rows the adapters act on.
-  std::vector<float> u(m * parts * rank, 0.f);
+  u.assign(m * parts * rank, 0.f);
   const float* xp = x.typed_data();
-  const float* ap = at.typed_data();
-  const float* rp = rows.typed_data();
+  const float* ap = op.at.typed_data();
+  const float* rp = op.rows.typed_data();
   for (int64_t r = 0; r < m; ++r) {
     if (rp[r] == 0.f) continue;
     for (int64_t c = 0; c < parts * rank; ++c) {
@@ -310,26 +473,74 @@ static ffi::Error Int8LoraMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
       u[r * parts * rank + c] = acc;
     }
   }
-  Adapters ad{u.data(), b.typed_data(), ends.typed_data(), parts, rank, n, rp};
-  return Multiply(pool, xp, m, k, tiles.typed_data(), scale.typed_data(), n, &ad, y->typed_data());
+  ad = Adapters{u.data(), op.b.typed_data(), op.ends.typed_data(), parts, rank, n, rp};
+  return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8Matmul, Int8MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One call of either kernel (kA8: 8-bit token rows), with adapters when
+// `adapters` is given: its operands checked, then the product.
+template <bool kA8, typename Tiles>
+ffi::Error Product(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, Tiles& tiles,
+                   ffi::Buffer<ffi::F32>& scale, const AdapterOperands* adapters, float* y) {
+  if (!WantTiles(x, tiles, scale, kA8 ? 4 : 2, kA8 ? kGroup : kPad)) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": want x [m, k], scale [n] and the tiles of an [n, k] weight");
+  }
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = scale.element_count();
+  std::vector<float> u;
+  Adapters ad;
+  if (adapters != nullptr) {
+    if (auto e = AdapterInputs(x, n, *adapters, u, ad); e.failure()) return e;
+  }
+  const Adapters* adp = adapters != nullptr ? &ad : nullptr;
+  if constexpr (kA8) {
+    return MultiplyA8(pool, x.typed_data(), m, k, tiles.typed_data(), scale.typed_data(), n, adp, y);
+  } else {
+    return Multiply(pool, x.typed_data(), m, k, tiles.typed_data(), scale.typed_data(), n, adp, y);
+  }
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8LoraMatmul, Int8LoraMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+}  // namespace
+
+// The four handlers' bodies: int16 or 8-bit token rows (the tiles' dtype
+// says which), without or with adapters.
+template <bool kA8, ffi::DataType kTiles>
+ffi::Error PlainProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kTiles> tiles,
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Product<kA8>(kA8 ? "int8_a8_matmul" : "int8_matmul", pool, x, tiles, scale, nullptr, y->typed_data());
+}
+
+template <bool kA8, ffi::DataType kTiles>
+ffi::Error AdaptedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kTiles> tiles,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> at, ffi::Buffer<ffi::F32> b,
+                          ffi::Buffer<ffi::S32> ends, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  const AdapterOperands adapters{at, b, ends, rows};
+  return Product<kA8>(kA8 ? "int8_a8_lora_matmul" : "int8_lora_matmul", pool, x, tiles, scale, &adapters,
+                      y->typed_data());
+}
+
+#define MDLM_JAX_PRODUCT(name, impl, tile_type)                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                               \
+                                ffi::Ffi::Bind()                                                          \
+                                    .Ctx<ffi::ThreadPool>()                                               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Arg<ffi::Buffer<tile_type>>()                                        \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+#define MDLM_JAX_LORA_PRODUCT(name, impl, tile_type)                                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                               \
+                                ffi::Ffi::Bind()                                                          \
+                                    .Ctx<ffi::ThreadPool>()                                               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Arg<ffi::Buffer<tile_type>>()                                        \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                         \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+MDLM_JAX_PRODUCT(Int8Matmul, (PlainProduct<false, ffi::S8>), ffi::S8)
+MDLM_JAX_LORA_PRODUCT(Int8LoraMatmul, (AdaptedProduct<false, ffi::S8>), ffi::S8)
+MDLM_JAX_PRODUCT(Int8A8Matmul, (PlainProduct<true, ffi::U8>), ffi::U8)
+MDLM_JAX_LORA_PRODUCT(Int8A8LoraMatmul, (AdaptedProduct<true, ffi::U8>), ffi::U8)

@@ -65,7 +65,8 @@ def parse(argv):
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
   p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
                  help="int8: decode from weight-only int8 weights (a scale per output row; a quarter of the bytes"
-                      " a pass reads), converted once at load")
+                      " a pass reads), converted once at load; w8a8: the same weights, token rows rounded to"
+                      " 8 bits in groups of 32 columns (faster passes over several rows)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
   p.add_argument("--no-bos", action="store_true", help="do not start the prompt with BOS")

@@ -55,7 +55,8 @@ def parse(argv):
                       " slots, in_out for larger ones and prefills, each the faster there; as loaded elsewhere)")
   p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
                  help="int8: passes over a few slots read weight-only int8 weights (a scale per output row; a"
-                      " quarter of the bytes), converted once at start")
+                      " quarter of the bytes), converted once at start; w8a8: the same weights, token rows"
+                      " rounded to 8 bits in groups of 32 columns (faster passes over several rows)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   p.add_argument("--grammar-policy", choices=ACCEPT_POLICIES, default=ACCEPT_POLICIES[0],
                  help="structured outputs: of the grammatical prefix of a pass's proposals, commit up to the effort"

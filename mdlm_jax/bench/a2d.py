@@ -145,10 +145,10 @@ def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32")
 
   def decoding_bytes(model) -> int:
     """The bytes of the weights its passes read: the decoding copy's, from
-    its shapes alone (int8 with --decode-dtype int8; a float32 layout change
-    keeps the bytes)."""
+    its shapes alone (int8 with --decode-dtype int8 or w8a8; a float32 layout
+    change keeps the bytes)."""
     params, cfg = model.params, model.spec.cfg
-    if decode_dtype == "int8":
+    if decode_dtype in ("int8", "w8a8"):
       out_in = dataclasses.replace(cfg, weight_layout="out_in")
       params = jax.eval_shape(lambda p: quantize_for_decoding(convert_weight_layout(p, cfg, "out_in"), out_in),
                               params)

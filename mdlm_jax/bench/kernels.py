@@ -10,7 +10,8 @@ backend (on CPU, the one that runs from CHUNKED_FROM queries).
 --int8-rows times the int8 decoding products of SmolLM2-135M's shapes (its
 121 weights, random values, jitted as one chain of layers) at those token
 rows, without adapters and with rank-16 adapters on half the rows (an
-adapted model's noisy rows): what a decoding pass spends in the int8 kernel.
+adapted model's noisy rows): what a decoding pass spends in the int8 kernel;
+--int8-activations 8 times them with 8-bit token rows (the w8a8 decode dtype).
 """
 
 from __future__ import annotations
@@ -161,16 +162,19 @@ SMOLLM2_LAYER = {"qkv": (960, 576, 3), "o": (576, 576, 1), "gate_up": (3072, 576
 SMOLLM2_LAYERS, SMOLLM2_HEAD = 30, (49152, 576)
 
 
-def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SMOLLM2_LAYERS) -> dict:
+def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SMOLLM2_LAYERS,
+                       activation_bits: int = 16) -> dict:
   """Milliseconds of SmolLM2-135M's int8 products at each token-row count
   (fastest of `repeats` and the median), plain and with adapters on the
   second half of the rows, and the multiply-accumulates a second; `layers`
-  fewer than its 30 for a quick look."""
+  fewer than its 30 for a quick look; token rows rounded to
+  `activation_bits` (16, or 8 as the "w8a8" decode dtype)."""
   from mdlm_jax.kernels import int8
   rng = np.random.default_rng(0)
 
   def weight(n, k, parts, adapted):
-    w = int8.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)).without_rows()
+    w = int8.quantize(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32),
+                      activation_bits=activation_bits).without_rows()
     if adapted and parts:
       pieces = [(rng.standard_normal((k, rank)).astype(np.float32) * 0.05,
                  rng.standard_normal((rank, n // parts)).astype(np.float32) * 0.05) for _ in range(parts)]
@@ -188,7 +192,8 @@ def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SM
 
   chain = jax.jit(chain)
   macs = layers * sum(n * k for n, k, _ in SMOLLM2_LAYER.values()) + SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]
-  out = {"weights": macs, "layers": layers, "native_kernel": int8.native_kernel_ready()}
+  out = {"weights": macs, "layers": layers, "activation_bits": activation_bits,
+         "native_kernel": int8.native_kernel_ready()}
   head = weight(*SMOLLM2_HEAD, 0, False)
   for adapted in (False, True):
     stack = [{name: weight(*shape, adapted) for name, shape in SMOLLM2_LAYER.items()} for _ in range(layers)]
@@ -224,6 +229,8 @@ def main(argv):
   p.add_argument("--int8-rows", default=None,
                  help="also time SmolLM2-135M's int8 decoding products at these token rows, e.g. 1,4,8 (CPU)")
   p.add_argument("--int8-layers", type=int, default=SMOLLM2_LAYERS, help="layers of those products (default: all 30)")
+  p.add_argument("--int8-activations", type=int, choices=(8, 16), default=16,
+                 help="bits those products round the token rows to: 16 (the int8 decode dtype) or 8 (w8a8)")
   common.add_output_flags(p)
   a = p.parse_args(argv)
   lengths = common.positive_ints(p, "--lengths", a.lengths)
@@ -244,5 +251,6 @@ def main(argv):
     result["chunked_attention"] = time_chunked_tiles(lengths, tiles, a)
   if a.int8_rows:
     result["int8_products"] = time_int8_products(common.positive_ints(p, "--int8-rows", a.int8_rows),
-                                                 max(a.repeats, 10), layers=a.int8_layers)
+                                                 max(a.repeats, 10), layers=a.int8_layers,
+                                                 activation_bits=a.int8_activations)
   common.emit(result, a)

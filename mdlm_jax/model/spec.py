@@ -104,27 +104,29 @@ def for_decoding(loaded: Any, layout: str | None = None, decode_dtype: str = "fl
   fastest where its params live: "out_in" on CPU (a few token rows per pass
   read an [out, in] weight up to 2.5x faster there), as loaded elsewhere.
   `decode_dtype="int8"` stores the matmul weights in weight-only int8
-  (`with_int8_weights`; the layout is then "out_in")."""
+  (`with_int8_weights`; the layout is then "out_in"); "w8a8" the same
+  weights, their products rounding token rows to 8 bits in groups."""
   if decode_dtype not in DECODE_DTYPES:
     raise ValueError(f"unknown decode dtype {decode_dtype!r}; choose from {DECODE_DTYPES}")
-  if decode_dtype == "int8":
+  if decode_dtype in ("int8", "w8a8"):
     if layout not in (None, "out_in"):
       raise ValueError(f"int8 decoding weights are stored [out, in]; weight layout {layout!r} cannot hold them")
-    return with_int8_weights(with_weight_layout(loaded, "out_in"))
+    return with_int8_weights(with_weight_layout(loaded, "out_in"), activation_bits=8 if decode_dtype == "w8a8" else 16)
   if layout is None:
     platform = next(iter(jax.tree.leaves(loaded.params)[0].devices())).platform
     layout = "out_in" if platform == "cpu" else loaded.spec.cfg.weight_layout
   return with_weight_layout(loaded, layout)
 
 
-def with_int8_weights(loaded: Any) -> Any:
+def with_int8_weights(loaded: Any, activation_bits: int = 16) -> Any:
   """The same "out_in" model with int8 matmul weights (`quantize_for_decoding`),
   on its one device: a copy made once, for decoding only."""
   first = jax.tree.leaves(loaded.params)[0].sharding
   if isinstance(first, jax.sharding.NamedSharding) and first.mesh.size > 1:
     raise ValueError("int8 decoding weights are for one device; this model is sharded over"
                      f" {first.mesh.size} devices")
-  params = jax.jit(functools.partial(quantize_for_decoding, cfg=loaded.spec.cfg))(loaded.params)
+  params = jax.jit(functools.partial(quantize_for_decoding, cfg=loaded.spec.cfg,
+                                     activation_bits=activation_bits))(loaded.params)
   return dataclasses.replace(loaded, params=params)
 
 

@@ -352,10 +352,13 @@ def embed(table, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
   return jnp.take(table, tokens, axis=0)
 
 
-DECODE_DTYPES = ("float32", "int8")
+# "int8": int8 weights, token rows rounded to int16 in the products; "w8a8":
+# the same weights, token rows rounded to int8 in groups of 32 columns
+# (`kernels.int8`), whose products run twice the multiplies an instruction.
+DECODE_DTYPES = ("float32", "int8", "w8a8")
 
 
-def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
+def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int = 16) -> dict:
   """`params` of an "out_in" model with every matmul weight (q/k/v, output,
   gate/up, down, embedding, untied head) in weight-only int8, a float32 scale
   per output row (`kernels.QuantizedWeight`); adapters, norms and biases stay
@@ -365,14 +368,16 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
   and up's into theirs), so that each product applies them in the same call;
   the adapters' own params stay for the float32 copy. Each weight is held
   once, in the layout its use reads: the CPU kernel's tiles for a product,
-  rows for the embedding's gather (a tied table, the head too, holds both)."""
+  rows for the embedding's gather (a tied table, the head too, holds both).
+  `activation_bits`: what the products round token rows to (16, or 8 in
+  groups: the "w8a8" decode dtype)."""
   if cfg.weight_layout != "out_in":
     raise ValueError(f"int8 decoding weights are stored [out, in]: convert the model to weight_layout='out_in'"
                      f" first (it is {cfg.weight_layout!r})")
   scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
 
   def quantized(w, out_dims, group, names):
-    qw = kernels.quantize(w, out_dims=out_dims).without_rows()
+    qw = kernels.quantize(w, out_dims=out_dims, activation_bits=activation_bits).without_rows()
     loras = [group[n] for n in names if n in group]
     return qw.replace(adapters=kernels.join_adapters([(a["a"], a["b"]) for a in loras], scale)) if loras else qw
 
@@ -384,10 +389,10 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig) -> dict:
     mlp.update(w_in=quantized(mlp["w_in"], 2, mlp, ("lora_gate", "lora_up")),
                w_down=quantized(mlp["w_down"], 1, mlp, ("lora_down",)))
     out["blocks"][i] = dict(block, attn=attn, mlp=mlp)
-  table = kernels.quantize(params["embedding"], out_dims=1)
+  table = kernels.quantize(params["embedding"], out_dims=1, activation_bits=activation_bits)
   out["embedding"] = table if "head" not in params else table.replace(tiles=None)
   if "head" in params:
-    out["head"] = kernels.quantize(params["head"], out_dims=1).without_rows()
+    out["head"] = kernels.quantize(params["head"], out_dims=1, activation_bits=activation_bits).without_rows()
   return out
 
 

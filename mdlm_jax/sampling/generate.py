@@ -73,7 +73,7 @@ class Generator:
     `weight_layout`: decode from a copy of the weights in this layout. By
     default, on CPU, calls whose passes carry few token rows read an [out, in]
     copy and larger ones the trained layout (`model.spec.decoding_pair`).
-    `decode_dtype="int8"`: that few-row copy holds weight-only int8 weights.
+    `decode_dtype="int8"` (or "w8a8"): that few-row copy holds int8 weights.
     `draft_table`: revising samplers with `lookup` also draft from the
     model's table of its own answers, where it has one (`sampling.draft_table`)."""
     self._few, self._many = decoding_pair(loaded, weight_layout, decode_dtype)

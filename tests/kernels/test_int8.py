@@ -103,20 +103,28 @@ def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
   np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6 if kernels.native_kernel_ready() else 1e-4)
 
 
+def build_without(flags, tmp_path, monkeypatch, plain, lora=None):
+  """The kernels built with `flags` into a fresh cache, `plain` (and `lora`,
+  as name + "_lora") registered under a name of their own, which is returned."""
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine")
+  import ctypes
+  monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
+  lib = ctypes.cdll.LoadLibrary(int8._build(flags))
+  name = f"test_{plain}_" + flags[0].strip("-").replace("-", "_")
+  jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, plain)), platform="cpu")
+  if lora:
+    jax.ffi.register_ffi_target(name + "_lora", jax.ffi.pycapsule(getattr(lib, lora)), platform="cpu")
+  return name
+
+
 @pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
 def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_path, monkeypatch):
   """The paths for CPUs without AVX-512 VNNI (a plain integer loop) or
   without AVX-512 (scalar rounding, epilogue and adapters), built and checked
   here: exact integer sums over long rows (each chunk's int32 sum stays below
   2^31), and adapters on chosen rows."""
-  if not kernels.native_kernel_ready():
-    pytest.skip("no C++ compiler on this machine")
-  import ctypes
-  monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
-  lib = ctypes.cdll.LoadLibrary(int8._build(flags))
-  name = "test_int8_matmul_" + flags[0].strip("-").replace("-", "_")
-  jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.Int8Matmul), platform="cpu")
-  jax.ffi.register_ffi_target(name + "_lora", jax.ffi.pycapsule(lib.Int8LoraMatmul), platform="cpu")
+  name = build_without(flags, tmp_path, monkeypatch, "Int8Matmul", "Int8LoraMatmul")
   rng, seed = fresh_rng()
   k, n, rows = int(rng.integers(2000, 9000)), int(rng.integers(3, 70)), int(rng.integers(1, 12))
   q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
@@ -193,3 +201,115 @@ def test_a_weight_holding_only_its_tiles_is_the_same_weight(kernel, monkeypatch)
   x = jnp.asarray(rng.normal(size=(3, k)), jnp.float32)
   np.testing.assert_array_equal(np.asarray(kernels.int8_matmul(x, tiled.reshape(heads * dim, k))),
                                 np.asarray(kernels.int8_matmul(x, qw.reshape(heads * dim, k))))
+
+
+def rows_rounded_to_int8_groups(x, group=int8.ACTIVATION_GROUP):
+  """The documented 8-bit rounding, in numpy: int8 values in groups of
+  `group` columns (zeros past k) and one float32 scale per group."""
+  m, k = x.shape
+  kg = -(-k // group) * group
+  xg = np.zeros((m, kg), np.float32)
+  xg[:, :k] = x
+  xg = xg.reshape(m, kg // group, group)
+  amax = np.abs(xg).max(2)
+  xs = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+  return np.clip(np.round(xg / xs[..., None]), -127, 127).astype(np.int64), xs
+
+
+def int8_groups_product(x, q, scale):
+  """float64 sum over groups of scale_g * (exact integer sum of the group)."""
+  xq, xs = rows_rounded_to_int8_groups(x)
+  m, groups, group = xq.shape
+  qp = np.zeros((q.shape[0], groups * group), np.int64)
+  qp[:, :q.shape[1]] = q
+  sums = np.einsum("mgc,ngc->mng", xq, qp.reshape(q.shape[0], groups, group))
+  magnitude = np.einsum("mgc,ngc->mng", np.abs(xq), np.abs(qp).reshape(q.shape[0], groups, group))
+  xs64 = xs.astype(np.float64)[:, None, :]
+  return ((sums * xs64).sum(2) * scale.astype(np.float64)[None, :],
+          (magnitude * xs64).sum(2) * scale.astype(np.float64)[None, :])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, int8.KERNEL_MAX_ROWS + 2])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_8_bit_product_is_the_group_scaled_sum_of_exact_integer_products(rows, kernel, monkeypatch):
+  """w8a8: each group of 32 columns of a token row rounded to int8 with its
+  own scale; the kernel's integer sums of a group are exact, so the only
+  error is float32's when the scaled groups are added."""
+  if kernel and not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
+  if not kernel:
+    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  rng, seed = fresh_rng()
+  k, n = int(rng.integers(20, 700)), int(rng.integers(20, 300))
+  qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32), activation_bits=8)
+  assert qw.activation_bits == 8 and qw.tiles.dtype == jnp.uint8
+  x = (rng.normal(size=(rows, k)) * rng.uniform(0.01, 100, size=(rows, 1))).astype(np.float32)
+  x[0, : k // 3] = 0.0  # whole groups of zeros
+  x[-1, int(rng.integers(k))] = 1e4  # an outlier column coarsens only its group
+  got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw), np.float64)
+  want, magnitude = int8_groups_product(x, np.asarray(qw.q, np.int64), np.asarray(qw.scale))
+  assert (np.abs(got - want) <= 3e-6 * magnitude + 1e-30).all(), f"seed {seed}"
+  # and within the rounding's bound of the float64 product of the unrounded rows
+  _, xs = rows_rounded_to_int8_groups(x)
+  wdq = np.asarray(qw.q, np.float64) * np.asarray(qw.scale, np.float64)[:, None]
+  exact = x.astype(np.float64) @ wdq.T
+  half_step = np.repeat(xs.astype(np.float64) / 2, int8.ACTIVATION_GROUP, axis=1)[:, :k]
+  assert (np.abs(got - exact) <= half_step @ np.abs(wdq).T + 1e-5 * np.abs(exact).max()).all(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_8_bit_products_add_joined_adapters_to_the_chosen_rows(kernel, monkeypatch):
+  if kernel and not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
+  if not kernel:
+    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  rng, seed = fresh_rng()
+  rows, k, rank = int(rng.integers(1, 12)), int(rng.integers(20, 300)), int(rng.integers(1, 9))
+  widths = [int(w) for w in rng.integers(1, 90, size=3)]
+  a = [rng.normal(size=(k, rank)).astype(np.float32) for _ in widths]
+  b = [rng.normal(size=(rank, w)).astype(np.float32) for w in widths]
+  qw = kernels.quantize(jnp.asarray(rng.normal(size=(sum(widths), k)), jnp.float32), activation_bits=8)
+  qw = qw.replace(adapters=kernels.join_adapters(list(zip(a, b)), 0.7))
+  x = rng.normal(size=(rows, k)).astype(np.float32)
+  chosen = rng.random(rows) < 0.5
+  got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw, jnp.asarray(chosen)), np.float64)
+  base, _ = int8_groups_product(x, np.asarray(qw.q, np.int64), np.asarray(qw.scale))
+  delta = np.concatenate([x.astype(np.float64) @ ai @ bi for ai, bi in zip(a, b)], axis=1) * 0.7
+  want = base + delta * chosen[:, None]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
+def test_the_8_bit_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_path, monkeypatch):
+  """The 8-bit path's plain loops (no VNNI) and scalar rounding (no AVX-512)
+  against the numpy reference, the largest products included: a group's sum
+  of 32 products of 127 and the weights' offset of 128 stays in int32."""
+  name = build_without(flags, tmp_path, monkeypatch, "Int8A8Matmul")
+  rng, seed = fresh_rng()
+  k, n, rows = int(rng.integers(40, 3000)), int(rng.integers(3, 70)), int(rng.integers(1, 12))
+  q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+  q[0], q[1] = 127, -127
+  scale = rng.uniform(0.5, 2, size=n).astype(np.float32)
+  x = rng.normal(size=(rows, k)).astype(np.float32)
+  x[0] = np.abs(x[0]).max()  # every value rounds to 127
+  out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+  got = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), kernels.tile_weights(jnp.asarray(q), 8),
+                                               jnp.asarray(scale)), np.float64)
+  want, magnitude = int8_groups_product(x, q.astype(np.int64), scale)
+  assert (np.abs(got - want) <= 3e-6 * magnitude + 1e-30).all(), f"seed {seed}"
+
+
+def test_8_bit_tiles_hold_each_rows_column_quads_offset_by_128():
+  rng = np.random.default_rng()
+  n, k = int(rng.integers(1, 100)), int(rng.integers(1, 80))
+  q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
+  tiles = np.asarray(kernels.tile_weights(jnp.asarray(q), 8))
+  t, kg = -(-n // 32), -(-k // 32) * 32
+  assert tiles.shape == (t, kg // 4, 32, 4) and tiles.dtype == np.uint8
+  padded = np.zeros((t * 32, kg), np.int64)
+  padded[:n, :k] = q
+  o, c = np.meshgrid(np.arange(t * 32), np.arange(kg), indexing="ij")
+  np.testing.assert_array_equal(tiles[o // 32, c // 4, o % 32, c % 4], padded + 128)
+  np.testing.assert_array_equal(np.asarray(kernels.untile_weights(jnp.asarray(tiles), n, k)), q)
+  with pytest.raises(ValueError, match="8 or 16 bits"):
+    kernels.tile_weights(jnp.asarray(q), 4)

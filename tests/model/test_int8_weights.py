@@ -64,6 +64,30 @@ def test_every_matmul_weight_is_int8_and_the_logits_are_the_dequantized_models(d
   assert np.corrcoef(np.asarray(got).ravel(), np.asarray(full).ravel())[0, 1] > 0.99
 
 
+def test_w8a8_rounds_token_rows_to_8_bits_in_groups_and_stays_near_the_float_model(diffusion, monkeypatch):
+  q = for_decoding(diffusion, decode_dtype="w8a8")
+  block = q.params["blocks"][0]
+  multiplied = q.params["head"] if "head" in q.params else q.params["embedding"]
+  for w in (block["attn"]["wqkv"], block["mlp"]["w_down"], multiplied):
+    assert isinstance(w, kernels.QuantizedWeight) and w.activation_bits == 8
+  # the same int8 weights as the int8 decode dtype, in the 8-bit kernel's tiles
+  same = for_decoding(diffusion, decode_dtype="int8").params["blocks"][0]["mlp"]["w_down"]
+  np.testing.assert_array_equal(np.asarray(block["mlp"]["w_down"].matrix()), np.asarray(same.matrix()))
+  rng = np.random.default_rng()
+  tokens = rng.integers(0, diffusion.spec.cfg.vocab_size, size=(2, 12)).astype(np.int32)
+  t = np.full((2,), 0.4, np.float32) if diffusion.spec.cfg.time_conditioning else None
+  logits = lambda model: np.asarray(jax.jit(lambda p: bind(model.spec, p)(tokens, t))(model.params))  # noqa: E731
+  got = logits(q)
+  with monkeypatch.context() as m:  # XLA's path over the same 8-bit groups
+    m.setattr(int8, "native_kernel_ready", lambda: False)
+    want = logits(q)
+  # float32 sums against exact group sums: an odd 8-bit rounding of a later
+  # layer's rows flips (1/254 of its group's largest magnitude)
+  np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * np.abs(want).max())
+  full = logits(diffusion)
+  assert np.corrcoef(got.ravel(), full.ravel())[0, 1] > 0.99
+
+
 def test_the_generator_decodes_int8_as_the_dequantized_model(diffusion):
   sampler = adapt_to_model(sampler_for("medium"), diffusion.config.diffusion.block_size)
   q = for_decoding(diffusion, decode_dtype="int8")
