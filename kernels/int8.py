@@ -49,6 +49,7 @@ FFI_TARGET = "mdlm_jax_int8_matmul"
 LORA_FFI_TARGET = "mdlm_jax_int8_lora_matmul"
 A8_FFI_TARGET = "mdlm_jax_int8_a8_matmul"
 A8_LORA_FFI_TARGET = "mdlm_jax_int8_a8_lora_matmul"
+BF16 = "_bf16"  # suffix of the adapted products' targets for bfloat16 adapters
 ATTENTION_FFI_TARGET = "mdlm_jax_cache_attention"  # kernels/cpu_attention.py
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The CPU kernels, built into one library: these products and the decoding attention.
@@ -64,7 +65,8 @@ class LowRank:
   [parts * rank, in] holds each a_p transposed, `b` [rank, out] each output
   row's column of its adapter's b times the scale, output rows along its
   rows so that the kernel forms sixteen outputs' updates at once
-  (`join_adapters`)."""
+  (`join_adapters`). Both float32, or bfloat16 (half the bytes a pass reads
+  for them; the products are formed in float32 either way)."""
 
   at: Float[Array, "pr k"]
   b: Float[Array, "r n"]
@@ -73,16 +75,17 @@ class LowRank:
   def delta(self, x2d: Float[Array, "m k"]) -> Float[Array, "m n"]:
     """The adapters' update of every token row, with XLA's products."""
     m, parts, rank = x2d.shape[0], self.ends.shape[0], self.b.shape[0]
-    u = (x2d @ self.at.T).reshape(m, parts, rank)
+    u = (x2d @ self.at.astype(jnp.float32).T).reshape(m, parts, rank)
     part = jnp.searchsorted(self.ends, jnp.arange(self.b.shape[1]), side="right")
-    return jnp.einsum("mnt,tn->mn", u[:, part], self.b)
+    return jnp.einsum("mnt,tn->mn", u[:, part], self.b.astype(jnp.float32))
 
 
-def join_adapters(adapters: list[tuple[Array, Array]], scale: float) -> LowRank:
+def join_adapters(adapters: list[tuple[Array, Array]], scale: float, dtype=jnp.float32) -> LowRank:
   """`LowRank` of adapters (a [in, rank], b [rank, out_p]) whose outputs are
-  the consecutive output rows of one weight, in order."""
-  at = jnp.concatenate([jnp.asarray(a, jnp.float32).T for a, _ in adapters], axis=0)
-  b = jnp.concatenate([jnp.asarray(b, jnp.float32) * scale for _, b in adapters], axis=1)
+  the consecutive output rows of one weight, in order, held in `dtype`
+  (float32 or bfloat16)."""
+  at = jnp.concatenate([jnp.asarray(a, jnp.float32).T for a, _ in adapters], axis=0).astype(dtype)
+  b = jnp.concatenate([jnp.asarray(b, jnp.float32) * scale for _, b in adapters], axis=1).astype(dtype)
   ends = jnp.cumsum(jnp.asarray([b_p.shape[1] for _, b_p in adapters], jnp.int32))
   return LowRank(at, b, ends)
 
@@ -259,6 +262,10 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
   plain, lora = (FFI_TARGET, LORA_FFI_TARGET) if bits == 16 else (A8_FFI_TARGET, A8_LORA_FFI_TARGET)
   if ad is None:
     return jax.ffi.ffi_call(plain, out)(x2d, tiles, w.scale)
+  if ad.at.dtype == jnp.bfloat16 and ad.b.dtype == jnp.bfloat16:
+    lora += BF16
+  elif ad.at.dtype != jnp.float32 or ad.b.dtype != jnp.float32:
+    raise ValueError(f"adapters are held in float32 or bfloat16 alike, not {ad.at.dtype} and {ad.b.dtype}")
   return jax.ffi.ffi_call(lora, out)(x2d, tiles, w.scale, ad.at, ad.b, ad.ends, rows)
 
 
@@ -277,6 +284,9 @@ def native_kernel_ready() -> bool:
         jax.ffi.register_ffi_target(LORA_FFI_TARGET, jax.ffi.pycapsule(lib.Int8LoraMatmul), platform="cpu")
         jax.ffi.register_ffi_target(A8_FFI_TARGET, jax.ffi.pycapsule(lib.Int8A8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(A8_LORA_FFI_TARGET, jax.ffi.pycapsule(lib.Int8A8LoraMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(LORA_FFI_TARGET + BF16, jax.ffi.pycapsule(lib.Int8Bf16LoraMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(A8_LORA_FFI_TARGET + BF16, jax.ffi.pycapsule(lib.Int8A8Bf16LoraMatmul),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:

@@ -35,6 +35,9 @@
 // a diffusion model adapted from a frozen AR base applies them to its noisy
 // rows only, and as separate small products they cost XLA:CPU a third of a
 // decoding pass in per-operation overhead (measured).
+// The adapters come in float32 or in bfloat16 (Int8Bf16LoraMatmul, Int8A8Bf16LoraMatmul):
+// their cost is the bytes read, so the decoding copy holds them in bfloat16 where
+// that is exact.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -220,7 +223,8 @@ inline void TileTimesRowsA8(const int8_t* xq, int64_t kg, const float* xs, const
 // skip a row).
 struct Adapters {
   const float* u;
-  const float* b;
+  const float* b;        // float32 adapters, or
+  const uint16_t* b16;   // bfloat16 ones (the other is null)
   const int32_t* ends;
   int64_t parts;
   int64_t rank;
@@ -300,6 +304,23 @@ inline void Finish(const int64_t* sums, double sx, const float* scale, int64_t w
   for (; o < width; ++o) y[o] = static_cast<float>(static_cast<double>(sums[o]) * sx * scale[o]);
 }
 
+// A bfloat16's float32 value (its bits are float32's top half).
+inline float Bf16(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX512F__)
+// Sixteen of b's values from `at` on (those `mask` keeps), as float32.
+inline __m512 LoadB(const Adapters& ad, int64_t at, __mmask16 mask) {
+  if (ad.b != nullptr) return _mm512_maskz_loadu_ps(mask, ad.b + at);
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, ad.b16 + at);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // y[o] += rows[r] * sum_t u[r, p * rank + t] * b[t, j0 + o] for the `width`
 // outputs from j0 of token row r, p the adapter of output j0 + o: sixteen
 // outputs of one adapter at a time (the outputs run along b's rows), one
@@ -320,7 +341,7 @@ inline void AddAdapters(const Adapters& ad, int64_t r, int64_t j0, int64_t width
     const float* up = u + part * ad.rank;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t t = 0; t < ad.rank; ++t)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(up[t]), _mm512_maskz_loadu_ps(mask, ad.b + t * ad.n + j), acc);
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(up[t]), LoadB(ad, t * ad.n + j, mask), acc);
     const __m512 before = _mm512_maskz_loadu_ps(mask, y + o);
     _mm512_mask_storeu_ps(y + o, mask, _mm512_fmadd_ps(_mm512_set1_ps(weight), acc, before));
   }
@@ -330,7 +351,7 @@ inline void AddAdapters(const Adapters& ad, int64_t r, int64_t j0, int64_t width
     advance(j);
     const float* up = u + part * ad.rank;
     float acc = 0.f;
-    for (int64_t t = 0; t < ad.rank; ++t) acc += up[t] * ad.b[t * ad.n + j];
+    for (int64_t t = 0; t < ad.rank; ++t) acc += up[t] * (ad.b ? ad.b[t * ad.n + j] : Bf16(ad.b16[t * ad.n + j]));
     y[o] += weight * acc;
   }
 }
@@ -439,9 +460,13 @@ bool WantTiles(ffi::Buffer<ffi::F32>& x, Tiles& tiles, ffi::Buffer<ffi::F32>& sc
 
 // The adapters' operands of a call: at [parts * rank, k], b [rank, n], ends
 // [parts], rows [m].
+// [parts], rows [m]; at and b float32, or bfloat16 with `bf16`.
 struct AdapterOperands {
-  ffi::Buffer<ffi::F32>& at;
-  ffi::Buffer<ffi::F32>& b;
+  const void* at;
+  ffi::Span<const int64_t> at_dims;
+  const void* b;
+  ffi::Span<const int64_t> b_dims;
+  bool bf16;
   ffi::Buffer<ffi::S32>& ends;
   ffi::Buffer<ffi::F32>& rows;
 };
@@ -452,8 +477,8 @@ ffi::Error AdapterInputs(ffi::Buffer<ffi::F32>& x, int64_t n, const AdapterOpera
                          Adapters& ad) {
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
   const int64_t parts = op.ends.element_count();
-  auto ad_ = op.at.dimensions();
-  auto bd = op.b.dimensions();
+  auto ad_ = op.at_dims;
+  auto bd = op.b_dims;
   if (parts < 1 || ad_.size() != 2 || bd.size() != 2 || ad_[1] != k || bd[1] != n || ad_[0] != parts * bd[0] ||
       op.rows.element_count() != m) {
     return ffi::Error::InvalidArgument(
@@ -462,18 +487,34 @@ ffi::Error AdapterInputs(ffi::Buffer<ffi::F32>& x, int64_t n, const AdapterOpera
   const int64_t rank = bd[0];
   u.assign(m * parts * rank, 0.f);
   const float* xp = x.typed_data();
-  const float* ap = op.at.typed_data();
+  const float* ap = op.bf16 ? nullptr : static_cast<const float*>(op.at);
+  const uint16_t* ap16 = op.bf16 ? static_cast<const uint16_t*>(op.at) : nullptr;
   const float* rp = op.rows.typed_data();
   for (int64_t r = 0; r < m; ++r) {
     if (rp[r] == 0.f) continue;
     for (int64_t c = 0; c < parts * rank; ++c) {
       float acc = 0.f;
+      if (ap != nullptr) {
 #pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < k; ++i) acc += xp[r * k + i] * ap[c * k + i];
+        for (int64_t i = 0; i < k; ++i) acc += xp[r * k + i] * ap[c * k + i];
+      } else {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vacc = _mm512_setzero_ps();
+        for (; i + 16 <= k; i += 16) {
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap16 + c * k + i));
+          const __m512 av = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+          vacc = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * k + i), av, vacc);
+        }
+        acc = _mm512_reduce_add_ps(vacc);
+#endif
+        for (; i < k; ++i) acc += xp[r * k + i] * Bf16(ap16[c * k + i]);
+      }
       u[r * parts * rank + c] = acc;
     }
   }
-  ad = Adapters{u.data(), op.b.typed_data(), op.ends.typed_data(), parts, rank, n, rp};
+  ad = Adapters{u.data(), op.bf16 ? nullptr : static_cast<const float*>(op.b),
+                op.bf16 ? static_cast<const uint16_t*>(op.b) : nullptr, op.ends.typed_data(), parts, rank, n, rp};
   return ffi::Error::Success();
 }
 
@@ -510,37 +551,40 @@ ffi::Error PlainProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return Product<kA8>(kA8 ? "int8_a8_matmul" : "int8_matmul", pool, x, tiles, scale, nullptr, y->typed_data());
 }
 
-template <bool kA8, ffi::DataType kTiles>
+template <bool kA8, ffi::DataType kTiles, ffi::DataType kAdapters>
 ffi::Error AdaptedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kTiles> tiles,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> at, ffi::Buffer<ffi::F32> b,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<kAdapters> at, ffi::Buffer<kAdapters> b,
                           ffi::Buffer<ffi::S32> ends, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> y) {
-  const AdapterOperands adapters{at, b, ends, rows};
+  const AdapterOperands adapters{at.typed_data(), at.dimensions(), b.typed_data(), b.dimensions(),
+                                 kAdapters == ffi::BF16, ends, rows};
   return Product<kA8>(kA8 ? "int8_a8_lora_matmul" : "int8_lora_matmul", pool, x, tiles, scale, &adapters,
                       y->typed_data());
 }
 
-#define MDLM_JAX_PRODUCT(name, impl, tile_type)                                                          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                               \
-                                ffi::Ffi::Bind()                                                          \
-                                    .Ctx<ffi::ThreadPool>()                                               \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
-                                    .Arg<ffi::Buffer<tile_type>>()                                        \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+#define MDLM_JAX_PRODUCT(name, impl, tile_type)                                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                                  \
+                                ffi::Ffi::Bind()                                                             \
+                                    .Ctx<ffi::ThreadPool>()                                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                            \
+                                    .Arg<ffi::Buffer<tile_type>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                            \
                                     .Ret<ffi::Buffer<ffi::F32>>());
-#define MDLM_JAX_LORA_PRODUCT(name, impl, tile_type)                                                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                               \
-                                ffi::Ffi::Bind()                                                          \
-                                    .Ctx<ffi::ThreadPool>()                                               \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
-                                    .Arg<ffi::Buffer<tile_type>>()                                        \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                                         \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                                         \
+#define MDLM_JAX_LORA_PRODUCT(name, impl, tile_type, adapter_type)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                                  \
+                                ffi::Ffi::Bind()                                                             \
+                                    .Ctx<ffi::ThreadPool>()                                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                            \
+                                    .Arg<ffi::Buffer<tile_type>>()                                           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                            \
+                                    .Arg<ffi::Buffer<adapter_type>>()                                        \
+                                    .Arg<ffi::Buffer<adapter_type>>()                                        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                            \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 MDLM_JAX_PRODUCT(Int8Matmul, (PlainProduct<false, ffi::S8>), ffi::S8)
-MDLM_JAX_LORA_PRODUCT(Int8LoraMatmul, (AdaptedProduct<false, ffi::S8>), ffi::S8)
+MDLM_JAX_LORA_PRODUCT(Int8LoraMatmul, (AdaptedProduct<false, ffi::S8, ffi::F32>), ffi::S8, ffi::F32)
+MDLM_JAX_LORA_PRODUCT(Int8Bf16LoraMatmul, (AdaptedProduct<false, ffi::S8, ffi::BF16>), ffi::S8, ffi::BF16)
 MDLM_JAX_PRODUCT(Int8A8Matmul, (PlainProduct<true, ffi::U8>), ffi::U8)
-MDLM_JAX_LORA_PRODUCT(Int8A8LoraMatmul, (AdaptedProduct<true, ffi::U8>), ffi::U8)
+MDLM_JAX_LORA_PRODUCT(Int8A8LoraMatmul, (AdaptedProduct<true, ffi::U8, ffi::F32>), ffi::U8, ffi::F32)
+MDLM_JAX_LORA_PRODUCT(Int8A8Bf16LoraMatmul, (AdaptedProduct<true, ffi::U8, ffi::BF16>), ffi::U8, ffi::BF16)

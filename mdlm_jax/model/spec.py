@@ -13,11 +13,12 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from mdlm_jax.model.transformer import (DECODE_DTYPES, ModelConfig, Transformer, convert_weight_layout,
-                                        quantize_for_decoding)
+from mdlm_jax.model.transformer import (DECODE_DTYPES, ModelConfig, Transformer, adapters_fit_bfloat16,
+                                        convert_weight_layout, quantize_for_decoding)
 from mdlm_jax.parallel import sharding
 
 
@@ -125,8 +126,9 @@ def with_int8_weights(loaded: Any, activation_bits: int = 16) -> Any:
   if isinstance(first, jax.sharding.NamedSharding) and first.mesh.size > 1:
     raise ValueError("int8 decoding weights are for one device; this model is sharded over"
                      f" {first.mesh.size} devices")
-  params = jax.jit(functools.partial(quantize_for_decoding, cfg=loaded.spec.cfg,
-                                     activation_bits=activation_bits))(loaded.params)
+  adapter_dtype = jnp.bfloat16 if adapters_fit_bfloat16(loaded.params, loaded.spec.cfg) else jnp.float32
+  params = jax.jit(functools.partial(quantize_for_decoding, cfg=loaded.spec.cfg, activation_bits=activation_bits,
+                                     adapter_dtype=adapter_dtype))(loaded.params)
   return dataclasses.replace(loaded, params=params)
 
 

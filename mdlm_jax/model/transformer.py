@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import ml_collections
+import ml_dtypes
+import numpy as np
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
@@ -358,7 +360,8 @@ def embed(table, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
 DECODE_DTYPES = ("float32", "int8", "w8a8")
 
 
-def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int = 16) -> dict:
+def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int = 16,
+                          adapter_dtype=jnp.float32) -> dict:
   """`params` of an "out_in" model with every matmul weight (q/k/v, output,
   gate/up, down, embedding, untied head) in weight-only int8, a float32 scale
   per output row (`kernels.QuantizedWeight`); adapters, norms and biases stay
@@ -370,7 +373,8 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int =
   once, in the layout its use reads: the CPU kernel's tiles for a product,
   rows for the embedding's gather (a tied table, the head too, holds both).
   `activation_bits`: what the products round token rows to (16, or 8 in
-  groups: the "w8a8" decode dtype)."""
+  groups: the "w8a8" decode dtype); `adapter_dtype`: what the joined
+  adapters are held in (`adapters_fit_bfloat16`)."""
   if cfg.weight_layout != "out_in":
     raise ValueError(f"int8 decoding weights are stored [out, in]: convert the model to weight_layout='out_in'"
                      f" first (it is {cfg.weight_layout!r})")
@@ -379,7 +383,8 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int =
   def quantized(w, out_dims, group, names):
     qw = kernels.quantize(w, out_dims=out_dims, activation_bits=activation_bits).without_rows()
     loras = [group[n] for n in names if n in group]
-    return qw.replace(adapters=kernels.join_adapters([(a["a"], a["b"]) for a in loras], scale)) if loras else qw
+    joined = [(a["a"], a["b"]) for a in loras]
+    return qw.replace(adapters=kernels.join_adapters(joined, scale, adapter_dtype)) if loras else qw
 
   out = dict(params, blocks={})
   for i, block in params["blocks"].items():
@@ -394,6 +399,22 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int =
   if "head" in params:
     out["head"] = kernels.quantize(params["head"], out_dims=1, activation_bits=activation_bits).without_rows()
   return out
+
+
+def adapters_fit_bfloat16(params: dict, cfg: ModelConfig) -> bool:
+  """Whether every low-rank adapter, b times the adapters' scale, holds
+  values bfloat16 represents exactly (the packaged adapters are stored in
+  bfloat16, and their scale is 2): the int8 decoding copy then holds them in
+  bfloat16, half the bytes a pass reads for them, with the same products."""
+  scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+  loras = [v for block in params.get("blocks", {}).values() for part in block.values() if isinstance(part, dict)
+           for name, v in part.items() if name.startswith("lora_")]
+
+  def exact(x) -> bool:
+    x = np.asarray(x, np.float32)
+    return bool(np.array_equal(x, x.astype(ml_dtypes.bfloat16).astype(np.float32)))
+  return bool(loras) and all(exact(lo["a"]) and exact(np.asarray(lo["b"], np.float32) * np.float32(scale))
+                             for lo in loras)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -111,7 +111,7 @@ def build_without(flags, tmp_path, monkeypatch, plain, lora=None):
   import ctypes
   monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
   lib = ctypes.cdll.LoadLibrary(int8._build(flags))
-  name = f"test_{plain}_" + flags[0].strip("-").replace("-", "_")
+  name = f"test_{plain}_{lora}_" + flags[0].strip("-").replace("-", "_")
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, plain)), platform="cpu")
   if lora:
     jax.ffi.register_ffi_target(name + "_lora", jax.ffi.pycapsule(getattr(lib, lora)), platform="cpu")
@@ -313,3 +313,39 @@ def test_8_bit_tiles_hold_each_rows_column_quads_offset_by_128():
   np.testing.assert_array_equal(np.asarray(kernels.untile_weights(jnp.asarray(tiles), n, k)), q)
   with pytest.raises(ValueError, match="8 or 16 bits"):
     kernels.tile_weights(jnp.asarray(q), 4)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("flags", [None, ("-mno-avx512f",)], ids=["native", "no-avx512"])
+def test_bfloat16_adapters_give_the_products_of_their_float_values(bits, flags, tmp_path, monkeypatch):
+  """Adapters held in bfloat16 (half the bytes) are read as the float32
+  values they hold: the same update as a float64 product of those values."""
+  rng, seed = fresh_rng()
+  rows, k, rank = int(rng.integers(1, 12)), int(rng.integers(20, 600)), int(rng.integers(1, 17))
+  widths = [int(w) for w in rng.integers(1, 90, size=int(rng.integers(1, 4)))]
+  a = [rng.normal(size=(k, rank)).astype(np.float32) for _ in widths]
+  b = [rng.normal(size=(rank, w)).astype(np.float32) for w in widths]
+  qw = kernels.quantize(jnp.asarray(rng.normal(size=(sum(widths), k)), jnp.float32), activation_bits=bits)
+  ad = kernels.join_adapters(list(zip(a, b)), 2.0, jnp.bfloat16)
+  assert ad.at.dtype == jnp.bfloat16 and ad.b.dtype == jnp.bfloat16
+  x = rng.normal(size=(rows, k)).astype(np.float32)
+  chosen = rng.random(rows) < 0.5
+  at, bt = (np.asarray(v.astype(jnp.float32), np.float64) for v in (ad.at, ad.b))
+  parts = np.searchsorted(np.asarray(ad.ends), np.arange(bt.shape[1]), side="right")
+  u = (x.astype(np.float64) @ at.T).reshape(rows, len(widths), rank)
+  delta = np.einsum("mnt,tn->mn", u[:, parts], bt)
+  if flags is None:
+    if not kernels.native_kernel_ready():
+      pytest.skip("no C++ compiler on this machine")
+    base = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw), np.float64)
+    got = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw.replace(adapters=ad), jnp.asarray(chosen)),
+                     np.float64)
+  else:
+    plain, lora = ("Int8Matmul", "Int8Bf16LoraMatmul") if bits == 16 else ("Int8A8Matmul", "Int8A8Bf16LoraMatmul")
+    name = build_without(flags, tmp_path, monkeypatch, plain, lora)
+    out = jax.ShapeDtypeStruct((rows, qw.scale.shape[0]), jnp.float32)
+    base = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), qw.tiles, qw.scale), np.float64)
+    got = np.asarray(jax.ffi.ffi_call(name + "_lora", out)(jnp.asarray(x), qw.tiles, qw.scale, ad.at, ad.b, ad.ends,
+                                                           jnp.asarray(chosen, jnp.float32)), np.float64)
+  want = base + delta * chosen[:, None]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
