@@ -206,7 +206,14 @@ def cache_attention(q, k_cache, v_cache, *, layer=None, causal: bool = False,
   decoding pass early in a long buffer reads and copies its filled start,
   not the whole buffer, and compiles one branch per span."""
   if not causal and cpu_attention.serves(q, k_cache, v_cache, layer, mask, implementation):
-    return cpu_attention.cpu_cache_attention(q, k_cache, v_cache, layer, mask)
+    xla_path = functools.partial(_xla_cache_attention, layer=layer, causal=False, implementation=implementation,
+                                 block_sizes=block_sizes)
+    return cpu_attention.with_derivatives_of(xla_path, layer)(q, k_cache, v_cache, mask)
+  return _xla_cache_attention(q, k_cache, v_cache, mask, layer=layer, causal=causal, implementation=implementation,
+                              block_sizes=block_sizes)
+
+
+def _xla_cache_attention(q, k_cache, v_cache, mask, *, layer, causal, implementation, block_sizes):
   mesh = jax.sharding.get_abstract_mesh()
   s = v_cache.shape[-2]
   prefix = not causal and isinstance(mask, AttentionMask) and mask.kind == "prefix"

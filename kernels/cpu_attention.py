@@ -52,3 +52,29 @@ def cpu_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "n B g
   out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   return jax.ffi.ffi_call(int8.ATTENTION_FFI_TARGET, out)(q, k_cache, v_cache, q_end, kv_valid,
                                                           layer=np.int64(layer), scale=np.float32(d ** -0.5))
+
+
+def with_derivatives_of(xla_path, layer: int):
+  """`cpu_cache_attention` whose derivatives are those of `xla_path(q,
+  k_cache, v_cache, mask)`, the same attention through XLA: an FFI call has
+  no derivatives, and training through a cache (a two-pass step over a
+  trained base) differentiates the attention it runs."""
+
+  @jax.custom_jvp
+  def attend(q, k_cache, v_cache, mask):
+    return cpu_cache_attention(q, k_cache, v_cache, layer, mask)
+
+  @attend.defjvp
+  def attend_jvp(primals, tangents):
+    out, tangent = jax.jvp(xla_path, primals, tangents)
+    q, _, v_cache, mask = primals
+    b, s = q.shape[0], v_cache.shape[-2]
+    kv_valid = (jnp.ones((b, s), jnp.bool_) if mask.kv_valid is None
+                else jnp.broadcast_to(mask.kv_valid, (b, s)).astype(jnp.bool_))
+    q_end = jnp.broadcast_to(mask.q_end, q.shape[:2])
+    reads = jnp.any(kv_valid[:, None, :] & (jnp.arange(s) < q_end[..., None]), axis=-1)[..., None, None]
+    # A query that may read no slot: zeros, as the kernel gives (XLA's softmax gives the values' mean).
+    return jnp.where(reads, out, 0.0), jnp.where(reads, tangent, 0.0)
+
+  return attend
+

@@ -194,12 +194,22 @@ def train_iterator(data: ChatRows, batch_size: int, seed: int, *, infill_rate: f
 
 
 def eval_batches(data: ChatRows, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
-  """The first rows, in order, as up to num_batches whole batches."""
-  n = min(num_batches, len(data.tokens) // batch_size)
+  """The first rows, in order, as up to num_batches batches of batch_size. A
+  last partial batch is filled with rows that score nothing (loss_mask all
+  false: the objectives count and mask scored tokens only), so a held-out set
+  smaller than a training batch still evaluates, and every row counts."""
+  n = min(len(data.tokens), num_batches * batch_size)
   if n < 1:
-    raise ValueError(f"{len(data.tokens)} held-out conversations make no batch of {batch_size}")
-  return [{"tokens": data.tokens[i * batch_size:(i + 1) * batch_size],
-           "loss_mask": data.loss_mask[i * batch_size:(i + 1) * batch_size]} for i in range(n)]
+    raise ValueError("the held-out conversations are empty: nothing to evaluate")
+  out = []
+  for start in range(0, n, batch_size):
+    tokens, loss_mask = data.tokens[start:min(n, start + batch_size)], data.loss_mask[start:min(n, start + batch_size)]
+    short = batch_size - len(tokens)
+    if short:
+      tokens = np.concatenate([tokens, np.zeros((short, tokens.shape[1]), tokens.dtype)])
+      loss_mask = np.concatenate([loss_mask, np.zeros((short, loss_mask.shape[1]), loss_mask.dtype)])
+    out.append({"tokens": tokens, "loss_mask": loss_mask})
+  return out
 
 
 def load(folder: str, split: str, tokenizer, template: str, seq_len: int) -> ChatRows:

@@ -69,6 +69,14 @@ def init_params(spec: ModelSpec, seed: int, only: frozenset[str] | None = None):
   return jax.jit(some, out_shardings=shardings)()
 
 
+def zero_params(spec: ModelSpec):
+  """Zeros in the params' shapes and sharded layout: what a resumed run
+  restores its checkpoint into, without compiling the whole model's random
+  initialisation (minutes on a GPU)."""
+  return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec.abstract),
+                 out_shardings=spec.shardings)()
+
+
 def with_weight_layout(loaded: Any, layout: str) -> Any:
   """The same model with its matmul weights stored in `layout` (a copy on the
   same devices and shardings; the input is unchanged)."""

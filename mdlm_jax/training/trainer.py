@@ -24,7 +24,7 @@ from mdlm_jax.training import evaluation, flops
 from mdlm_jax.diffusion import objectives
 from mdlm_jax import checkpoints
 from mdlm_jax.checkpoints.loading import LoadedModel
-from mdlm_jax.model.spec import ModelSpec, bind, init_params, model_spec
+from mdlm_jax.model.spec import ModelSpec, bind, init_params, model_spec, zero_params
 from mdlm_jax.data.hf_tokenizer import HFTokenizer
 from mdlm_jax.training.metrics import MetricsLog, format_duration, plot_loss_curve
 from mdlm_jax.model import ModelConfig
@@ -332,7 +332,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                   fim_spm_rate=float(config.data.fim_spm_rate),
                                   fim_level=config.data.fim_level)
   with jax.set_mesh(mesh):
-    if init is None:
+    if resumed_meta is not None:  # the checkpoint's values replace these
+      params = zero_params(spec)
+    elif init is None:
       params = init_params(spec, config.seed)
     else:  # only what the init model lacks (adapters) is initialised
       params = init_from_weights(init, spec, config.train.init_from,

@@ -62,7 +62,15 @@ def test_batches_shuffle_every_epoch_cover_all_rows_and_resume():
   assert sorted(np.concatenate(halves)) == list(range(10))  # each process reads its own rows
   with pytest.raises(ValueError, match="more than"):
     chat.train_iterator(data, 11, seed=0)
-  assert [b["tokens"].shape for b in chat.eval_batches(data, 4, 5)] == [(4, 4), (4, 4)]
+  batches = chat.eval_batches(data, 4, 5)
+  assert [b["tokens"].shape for b in batches] == [(4, 4)] * 3  # every row, the last batch filled
+  assert np.array_equal(np.concatenate([b["tokens"] for b in batches])[:10], data.tokens)
+  assert np.array_equal(np.concatenate([b["loss_mask"] for b in batches])[:10], data.loss_mask)
+  assert not batches[-1]["loss_mask"][2:].any()  # filler rows score nothing
+  assert [b["tokens"].shape for b in chat.eval_batches(data, 4, 2)] == [(4, 4)] * 2
+  (one,) = chat.eval_batches(data, 32, 2)  # fewer held-out rows than a batch
+  assert one["tokens"].shape == (32, 4) and one["loss_mask"][:10].sum() == data.loss_mask.sum()
+  assert not one["loss_mask"][10:].any()
 
 
 class FimTok(CharTok):

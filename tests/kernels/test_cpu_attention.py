@@ -103,6 +103,36 @@ def test_cache_attention_serves_a_decoding_pass_with_the_kernel_and_the_same_val
   np.testing.assert_array_equal(got[0, 0], 0.0)
 
 
+def test_the_kernel_path_differentiates_as_a_float64_attention():
+  """Training through a cache differentiates the kernel's call: its
+  derivatives (XLA's, a query that reads nothing having none) against float64
+  central differences of the numpy attention along a random direction."""
+  rng, seed = fresh_rng()
+  q, keys, values, layer, q_end, kv_valid = random_case(rng)
+  q_end[-1, -1], kv_valid[-1, 0] = keys.shape[-1], True  # one query reads something
+  if q_end.size > 1:
+    q_end[0, 0] = 0  # and, where there are two, one reads nothing
+  mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(q_end), kv_valid=jnp.asarray(kv_valid))
+  args = tuple(jnp.asarray(x) for x in (q, keys, values))
+  assert cpu_attention.serves(*args, layer, mask, "xla")
+  weights = rng.normal(size=q.shape)
+  loss = lambda q, k, v: jnp.sum(kernels.cache_attention(q, k, v, layer=layer, mask=mask) * weights)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  direction = [rng.normal(size=x.shape) for x in (q, keys, values)]
+  predicted = sum(np.sum(np.asarray(g, np.float64) * d) for g, d in zip(grads, direction))
+
+  def at(eps):
+    moved = [x.astype(np.float64) + eps * d for x, d in zip((q, keys, values), direction)]
+    return np.sum(numpy_attention(*moved, layer, q_end, kv_valid) * weights)
+
+  eps = 1e-3
+  expected = (at(eps) - at(-eps)) / (2 * eps)
+  scale = sum(np.sum(np.abs(np.asarray(g, np.float64) * d)) for g, d in zip(grads, direction))
+  assert abs(predicted - expected) <= 1e-4 * abs(expected) + 1e-7 * scale, f"seed {seed}: {predicted} vs {expected}"
+  if q_end.size > 1:
+    assert not np.asarray(grads[0])[0, 0].any()  # the query that reads nothing
+
+
 def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu():
   q, k, v = jnp.zeros((1, 4, 2, 8)), jnp.zeros((2, 1, 1, 8, 16)), jnp.zeros((2, 1, 1, 16, 8))
   prefix = kernels.AttentionMask(kind="prefix", q_end=jnp.ones((1, 4), jnp.int32), kv_valid=jnp.ones((1, 16), bool))

@@ -104,6 +104,24 @@ def test_kill_and_resume_is_exact(tiny_tokenizer_path, tmp_path, how):
     assert loss == ref_train[s], s
 
 
+def test_a_resumed_run_restores_without_a_random_initialisation(tiny_config, tmp_path, monkeypatch):
+  """Resuming fills zeros of the params' shapes from the checkpoint: the whole
+  model's random initialisation (minutes of compiling on a GPU) never runs."""
+  tiny_config.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_every=0, eval_batches=1)
+  trainer.train(tiny_config, str(tmp_path / "run"))
+  saved = _final_params(str(tmp_path / "run"))
+
+  def no_random_init(*args, **kwargs):
+    raise AssertionError("a resumed run ran the random initialisation")
+
+  monkeypatch.setattr(trainer, "init_params", no_random_init)
+  tiny_config.train.update(num_steps=3)
+  out = trainer.train(tiny_config, str(tmp_path / "run"))
+  assert out["step"] == 3
+  moved = _final_params(str(tmp_path / "run"))
+  assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for a, b in zip(saved, moved) for x, y in zip(a, b))
+
+
 @pytest.mark.slow
 def test_resume_rejects_a_different_model(tiny_config, tmp_path):
   c = tiny_config
@@ -169,7 +187,9 @@ def _chat(question: str, answer: str) -> dict:
 def test_instruction_tuning_run_trains_on_responses_and_resumes(tiny_config, tmp_path):
   """data.kind=chat: conversations in the chat template, the loss over the
   answers only; the run evaluates on the held-out file and resumes."""
-  folder = _instruction_folder(tmp_path / "instructions", lambda i: [_chat(f"What is {i} + 1?", str(i + 1))])
+  # Five held-out conversations, fewer than a batch: the evaluation fills the batch with rows that score nothing.
+  folder = _instruction_folder(tmp_path / "instructions", lambda i: [_chat(f"What is {i} + 1?", str(i + 1))],
+                               sizes=(40, 5))
   tiny_config.data.update(kind="chat", chat_template="chatml", corpus=str(folder), seq_len=96, batch_size=8)
   tiny_config.train.update(num_steps=4, checkpoint_every=2, log_every=1, eval_every=4, eval_batches=2)
   out = trainer.train(tiny_config, str(tmp_path / "run"))
