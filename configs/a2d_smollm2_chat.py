@@ -59,6 +59,9 @@ sample (its wheels are the registry's newest, so not the earlier sample's):
       --config.train.init_from=mdlm_jax/assets/a2d_smollm2 --config.data.corpus=data/a2d_chat4 \
       --config.data.shuffle_seed=4 --config.train.eval_every=50
 
+exports/a2d_chat_data/README.md rebuilds data/a2d_chat4 from committed files in
+seconds instead (what the GPU round, launch/a2d_gpu.sh, trained on).
+
 Each answer is the base's own greedy text, so the base is sure of each of its
 tokens: the adapters can learn to be sure of several at once, which is what
 tokens per pass need, and the distillation term pulls every masked token to
