@@ -9,7 +9,7 @@
 #
 # INIT: what stage A starts from (default: the packaged adapters). Needs the base in the
 # model cache ($MDLM_JAX_CACHE; `python -m mdlm_jax.fetch smollm2-135m-instruct`) and the
-# chat folder at data/a2d_chat4 (configs/a2d_smollm2_chat.py says how it is made).
+# chat folder at data/a2d_chat4 (exports/a2d_chat_data/README.md rebuilds it).
 # Workdirs go under $A2D_RUNS (default /tmp/a2d_runs); $A2D_FLAGS (e.g.
 # "--config.data.batch_size=2") is added to both stages' flags.
 set -u -o pipefail
