@@ -136,24 +136,10 @@ def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32")
   work and prefills included) beside the memory-bandwidth bound of the bytes
   a pass reads (`bench.bound`), the bandwidth measured now. A pass attends to
   the prompt and, on average, half the answer."""
-  import dataclasses
-  import jax
   from mdlm_jax.bench import bound
-  from mdlm_jax.model.transformer import convert_weight_layout, quantize_for_decoding
   from mdlm_jax.server import chat_template
   bandwidth = bound.read_bandwidth()
-
-  def decoding_bytes(model) -> int:
-    """The bytes of the weights its passes read: the decoding copy's, from
-    its shapes alone (int8 with --decode-dtype int8 or w8a8; a float32 layout
-    change keeps the bytes)."""
-    params, cfg = model.params, model.spec.cfg
-    if decode_dtype in ("int8", "w8a8"):
-      out_in = dataclasses.replace(cfg, weight_layout="out_in")
-      params = jax.eval_shape(lambda p: quantize_for_decoding(convert_weight_layout(p, cfg, "out_in"), out_in),
-                              params)
-    return bound.weight_bytes(params, cfg)
-  weights = {"base": decoding_bytes(base), "adapted": decoding_bytes(adapted)}
+  weights = {name: decoding_weight_bytes(model, decode_dtype) for name, model in (("base", base), ("adapted", adapted))}
   prompts = [chat_template.render([{"role": "user", "content": t.request}], adapted.chat_template,
                                   adapted.tokenizer)[0] for t in tasks]
   prompt_tokens = float(np.mean([len(adapted.tokenizer.encode(p)) for p in prompts]))
@@ -167,6 +153,23 @@ def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32")
           f" {out[name]['fraction_of_bound']:.2f} of the {bandwidth / 1e9:.1f} GB/s bound"
           + (f", host {row['host_share']:.1%} of a pass turn" if "host_share" in row else ""), file=sys.stderr)
   return out
+
+
+def decoding_weight_bytes(model, decode_dtype: str = "float32") -> int:
+  """The bytes of the weights a pass of `model` decoded in `decode_dtype`
+  reads: the decoding copy's (`spec.for_decoding`), from its shapes alone (a
+  float32 layout change keeps the bytes)."""
+  import dataclasses
+  import jax
+  from mdlm_jax.bench import bound
+  from mdlm_jax.model.spec import int8_quantizer
+  from mdlm_jax.model.transformer import INT8_ACTIVATION_BITS, convert_weight_layout
+  params, cfg = model.params, model.spec.cfg
+  if decode_dtype in INT8_ACTIVATION_BITS:
+    out_in = dataclasses.replace(cfg, weight_layout="out_in")
+    quantize = int8_quantizer(params, out_in, INT8_ACTIVATION_BITS[decode_dtype])
+    params = jax.eval_shape(lambda p: quantize(convert_weight_layout(p, cfg, "out_in")), params)
+  return bound.weight_bytes(params, cfg)
 
 
 def code_completions(gen, prompts, new_tokens: int, sampler, scorer) -> dict:

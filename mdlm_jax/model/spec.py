@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from mdlm_jax.model.transformer import (DECODE_DTYPES, ModelConfig, Transformer, adapters_fit_bfloat16,
-                                        convert_weight_layout, quantize_for_decoding)
+from mdlm_jax.model.transformer import (DECODE_DTYPES, INT8_ACTIVATION_BITS, ModelConfig, Transformer,
+                                        adapters_fit_bfloat16, convert_weight_layout, quantize_for_decoding)
 from mdlm_jax.parallel import sharding
 
 
@@ -117,10 +117,10 @@ def for_decoding(loaded: Any, layout: str | None = None, decode_dtype: str = "fl
   weights, their products rounding token rows to 8 bits in groups."""
   if decode_dtype not in DECODE_DTYPES:
     raise ValueError(f"unknown decode dtype {decode_dtype!r}; choose from {DECODE_DTYPES}")
-  if decode_dtype in ("int8", "w8a8"):
+  if decode_dtype in INT8_ACTIVATION_BITS:
     if layout not in (None, "out_in"):
       raise ValueError(f"int8 decoding weights are stored [out, in]; weight layout {layout!r} cannot hold them")
-    return with_int8_weights(with_weight_layout(loaded, "out_in"), activation_bits=8 if decode_dtype == "w8a8" else 16)
+    return with_int8_weights(with_weight_layout(loaded, "out_in"), activation_bits=INT8_ACTIVATION_BITS[decode_dtype])
   if layout is None:
     platform = next(iter(jax.tree.leaves(loaded.params)[0].devices())).platform
     layout = "out_in" if platform == "cpu" else loaded.spec.cfg.weight_layout
@@ -134,10 +134,18 @@ def with_int8_weights(loaded: Any, activation_bits: int = 16) -> Any:
   if isinstance(first, jax.sharding.NamedSharding) and first.mesh.size > 1:
     raise ValueError("int8 decoding weights are for one device; this model is sharded over"
                      f" {first.mesh.size} devices")
-  adapter_dtype = jnp.bfloat16 if adapters_fit_bfloat16(loaded.params, loaded.spec.cfg) else jnp.float32
-  params = jax.jit(functools.partial(quantize_for_decoding, cfg=loaded.spec.cfg, activation_bits=activation_bits,
-                                     adapter_dtype=adapter_dtype))(loaded.params)
+  params = jax.jit(int8_quantizer(loaded.params, loaded.spec.cfg, activation_bits))(loaded.params)
   return dataclasses.replace(loaded, params=params)
+
+
+def int8_quantizer(params: Any, cfg: ModelConfig, activation_bits: int):
+  """`quantize_for_decoding` of these "out_in" params with their adapters in
+  bfloat16 where that holds them exactly (`adapters_fit_bfloat16`, checked
+  on the host): the decoding copy `with_int8_weights` makes, and the one a
+  benchmark counts the bytes of."""
+  adapter_dtype = jnp.bfloat16 if adapters_fit_bfloat16(params, cfg) else jnp.float32
+  return functools.partial(quantize_for_decoding, cfg=cfg, activation_bits=activation_bits,
+                           adapter_dtype=adapter_dtype)
 
 
 def decoding_pair(loaded: Any, layout: str | None = None, decode_dtype: str = "float32") -> tuple[Any, Any]:

@@ -358,6 +358,8 @@ def embed(table, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
 # the same weights, token rows rounded to int8 in groups of 32 columns
 # (`kernels.int8`), whose products run twice the multiplies an instruction.
 DECODE_DTYPES = ("float32", "int8", "w8a8")
+# The int8 decode dtypes and the bits their products round token rows to.
+INT8_ACTIVATION_BITS = {"int8": 16, "w8a8": 8}
 
 
 def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int = 16,

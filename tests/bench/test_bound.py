@@ -1,6 +1,9 @@
 """bench.bound: the bytes a decoding pass reads, against a count by hand."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -63,6 +66,27 @@ def test_adapters_joined_into_int8_weights_are_counted_once(tiny_checkpoints):
   # the float32 model reads its adapters' own params
   assert bound.weight_bytes(adapted.params, cfg) == nbytes(adapted.params) - (
       0 if cfg.tie_embeddings else nbytes(adapted.params["embedding"]))
+
+
+@pytest.mark.parametrize("decode_dtype", ["int8", "w8a8"])
+def test_bench_a2d_counts_the_bytes_of_the_decoding_copy_it_runs(tiny_checkpoints, decode_dtype):
+  """`bench a2d`'s bound reads the decoding copy's weights from shapes alone:
+  the same bytes as the copy `for_decoding` makes, bfloat16 adapters (where
+  they hold the adapters exactly) and 8-bit tiles included."""
+  import ml_dtypes
+  from mdlm_jax import checkpoints
+  from mdlm_jax.bench.a2d import decoding_weight_bytes
+  from mdlm_jax.model.spec import for_decoding
+  from tests.conftest import adapted_from
+  adapted = adapted_from(checkpoints.load(tiny_checkpoints["ar"]), lora_rank=4)
+  rng = np.random.default_rng()
+  to_bf16 = lambda x: jnp.asarray(np.asarray(rng.normal(size=x.shape), ml_dtypes.bfloat16), jnp.float32)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: to_bf16(x) if "lora_" in jax.tree_util.keystr(path) else x, adapted.params)
+  adapted = dataclasses.replace(adapted, params=params)
+  copy = for_decoding(adapted, decode_dtype=decode_dtype)
+  assert any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(copy.params))  # the adapters were held in bfloat16
+  assert decoding_weight_bytes(adapted, decode_dtype) == bound.weight_bytes(copy.params, copy.spec.cfg)
 
 
 def test_bench_ar_gives_a_steps_bound_at_batch_1_only(tiny_checkpoints):
