@@ -16,6 +16,15 @@ def fresh_rng():
   return np.random.default_rng(seed), seed
 
 
+def serve_with(kernel: bool, monkeypatch):
+  """Products run on the C++ kernel (the test skipped where it cannot be
+  built), or with `kernel` False on XLA's path."""
+  if kernel and not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
+  if not kernel:
+    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+
+
 def test_quantize_maps_each_rows_largest_magnitude_to_127_and_rounds_the_rest():
   rng, seed = fresh_rng()
   w = rng.normal(size=(6, 5, 40)).astype(np.float32)
@@ -67,10 +76,7 @@ def test_int8_matmul_equals_the_exact_integer_product_of_the_rounded_rows(rows):
 @pytest.mark.parametrize("rows", [1, 6, int8.KERNEL_MAX_ROWS + 3])
 @pytest.mark.parametrize("kernel", [True, False])
 def test_joined_adapters_add_their_update_to_the_chosen_rows_only(rows, kernel, monkeypatch):
-  if kernel and not kernels.native_kernel_ready():
-    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
-  if not kernel:
-    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  serve_with(kernel, monkeypatch)
   rng, seed = fresh_rng()
   k, rank, scale = int(rng.integers(20, 300)), int(rng.integers(1, 9)), float(rng.uniform(0.5, 3))
   widths = [int(w) for w in rng.integers(1, 90, size=int(rng.integers(2, 4)))]  # q, k and v; gate and up
@@ -245,10 +251,7 @@ def test_the_8_bit_product_is_the_group_scaled_sum_of_exact_integer_products(row
   """w8a8: each group of 32 columns of a token row rounded to int8 with its
   own scale; the kernel's integer sums of a group are exact, so the only
   error is float32's when the scaled groups are added."""
-  if kernel and not kernels.native_kernel_ready():
-    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
-  if not kernel:
-    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  serve_with(kernel, monkeypatch)
   rng, seed = fresh_rng()
   k, n = int(rng.integers(20, 700)), int(rng.integers(20, 300))
   qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32), activation_bits=8)
@@ -269,10 +272,7 @@ def test_the_8_bit_product_is_the_group_scaled_sum_of_exact_integer_products(row
 
 @pytest.mark.parametrize("kernel", [True, False])
 def test_8_bit_products_add_joined_adapters_to_the_chosen_rows(kernel, monkeypatch):
-  if kernel and not kernels.native_kernel_ready():
-    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
-  if not kernel:
-    monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  serve_with(kernel, monkeypatch)
   rng, seed = fresh_rng()
   rows, k, rank = int(rng.integers(1, 12)), int(rng.integers(20, 300)), int(rng.integers(1, 9))
   widths = [int(w) for w in rng.integers(1, 90, size=3)]
