@@ -459,7 +459,6 @@ bool WantTiles(ffi::Buffer<ffi::F32>& x, Tiles& tiles, ffi::Buffer<ffi::F32>& sc
 }
 
 // The adapters' operands of a call: at [parts * rank, k], b [rank, n], ends
-// [parts], rows [m].
 // [parts], rows [m]; at and b float32, or bfloat16 with `bf16`.
 struct AdapterOperands {
   const void* at;
