@@ -41,6 +41,13 @@ def test_quantize_maps_each_rows_largest_magnitude_to_127_and_rounds_the_rest():
   assert (err <= scale[..., None] / 2 + 1e-7).all(), f"seed {seed}"
 
 
+def near_ties(ratio):
+  """Where x / scale (float64 `ratio`) lies within a few float32 ulps of a
+  half: XLA may divide as a product by the reciprocal, so such a value
+  rounds either way, one step of its scale."""
+  return np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 4 * 2.0**-24 * np.abs(ratio)
+
+
 def rows_rounded_to_int16(x):
   """The documented rounding, in numpy: int16 values and one scale per row."""
   amax = np.abs(x).max(1)
@@ -65,7 +72,8 @@ def test_int8_matmul_equals_the_exact_integer_product_of_the_rounded_rows(rows):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"seed {seed}")
   else:  # XLA's float32 sum of the same integer products
     magnitude = (np.abs(xq) @ np.abs(q).T) * xs[:, None].astype(np.float64) * scale[None, :]
-    assert (np.abs(got - want) <= 1e-5 * magnitude + 1e-30).all(), f"seed {seed}"
+    ties = (near_ties(x / xs[:, None].astype(np.float64)) @ np.abs(q).T) * xs[:, None].astype(np.float64) * scale
+    assert (np.abs(got - want) <= 1e-5 * magnitude + ties + 1e-30).all(), f"seed {seed}"
   # and within the rounding's bound of the float64 product of the unrounded rows
   wdq = q * scale[:, None]
   exact = x.astype(np.float64) @ wdq.T
@@ -224,10 +232,8 @@ def rows_rounded_to_int8_groups(x, group=int8.ACTIVATION_GROUP):
 
 def int8_groups_product(x, q, scale):
   """float64 sum over groups of scale_g * (exact integer sum of the group),
-  the magnitude of its terms, and the slack of near-ties: a value whose
-  x / scale lies within float32's division error of a half rounds either way
-  (XLA and the kernel may divide as a product by the reciprocal), a step of
-  that group's scale times the weight."""
+  the magnitude of its terms, and the slack of `near_ties`: a step of that
+  group's scale times the weight."""
   xq, xs = rows_rounded_to_int8_groups(x)
   m, groups, group = xq.shape
   qp = np.zeros((q.shape[0], groups * group), np.int64)
@@ -237,9 +243,8 @@ def int8_groups_product(x, q, scale):
   magnitude = np.einsum("mgc,ngc->mng", np.abs(xq), np.abs(qg))
   xg = np.zeros((m, groups * group))
   xg[:, :x.shape[1]] = x
-  ratio = xg.reshape(m, groups, group) / xs.astype(np.float64)[..., None]
-  near_tie = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 3e-5  # a few float32 ulps of 127
-  ties = np.einsum("mgc,ngc->mng", near_tie.astype(np.int64), np.abs(qg))
+  tied = near_ties(xg.reshape(m, groups, group) / xs.astype(np.float64)[..., None])
+  ties = np.einsum("mgc,ngc->mng", tied.astype(np.int64), np.abs(qg))
   xs64 = xs.astype(np.float64)[:, None, :]
   per = scale.astype(np.float64)[None, :]
   return (sums * xs64).sum(2) * per, (magnitude * xs64).sum(2) * per, (ties * xs64).sum(2) * per
