@@ -46,7 +46,7 @@ from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, conf
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from mdlm_jax.kernels import cpu_attention
 from mdlm_jax.kernels.int8 import (LowRank, QuantizedWeight, int8_matmul, join_adapters, native_kernel_ready, quantize,
-                                   tile_weights, untile_weights)
+                                   stack_layers, tile_weights, untile_weights)
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, resolve
 from mdlm_jax.kernels.sequence_parallel import sequence_parallel_attention, sequence_shards
 from mdlm_jax.kernels.numerics import LOGITS_DTYPE
@@ -284,4 +284,4 @@ __all__ = ["attention", "cache_attention", "attention_reference", "chunked_atten
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes",
            "LowRank", "QuantizedWeight", "int8_matmul", "join_adapters", "native_kernel_ready", "quantize",
-           "tile_weights", "untile_weights"]
+           "stack_layers", "tile_weights", "untile_weights"]

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -133,13 +134,16 @@ class QuantizedWeight:
   what the CPU kernel reads; a weight only multiplied holds them alone
   (`without_rows`: `q` None, its shape kept), one also gathered from (an
   embedding table) both. Their layout says how the product rounds the token
-  rows (`activation_bits`)."""
+  rows (`activation_bits`). With `layer` set, its arrays hold every layer's
+  weight of this kind along a leading axis (`stack_layers`) and this is
+  layer `layer` of them: the product reads that layer in place."""
 
   q: Int8[Array, "..."] | None
   scale: Float[Array, "..."]
   adapters: LowRank | None = None
   tiles: Int8[Array, "t p 32 2"] | None = None
   stored_shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  layer: int | None = struct.field(pytree_node=False, default=None)
 
   def __getitem__(self, index):
     if index is not Ellipsis:
@@ -162,11 +166,24 @@ class QuantizedWeight:
 
   def without_rows(self) -> "QuantizedWeight":
     """The same weight holding only its tiles (a weight no pass gathers from)."""
+    if self.layer is not None:
+      return self
     tiles = self.tiles if self.tiles is not None else tile_weights(self.matrix())
     return self.replace(q=None, tiles=tiles, stored_shape=self.shape)
 
+  def one_layer(self) -> "QuantizedWeight":
+    """This weight with arrays of its own (sliced out of a stack; itself if
+    it is not one of a stack)."""
+    if self.layer is None:
+      return self
+    take = lambda x: x[self.layer]  # noqa: E731
+    adapters = None if self.adapters is None else jax.tree.map(take, self.adapters)
+    return self.replace(scale=take(self.scale), tiles=take(self.tiles), adapters=adapters, layer=None)
+
   def matrix(self) -> Int8[Array, "n k"]:
     """The int8 values in the [out, in] form."""
+    if self.layer is not None:
+      return self.one_layer().matrix()
     n = self.scale.size
     if self.q is not None:
       return self.q.reshape(n, -1)
@@ -176,15 +193,18 @@ class QuantizedWeight:
     """The [out, in] matrix form: its rows must be the output rows."""
     shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
     total = int(np.prod(self.shape))
+    rows = self.scale.size if self.layer is None else self.scale[0].size
     known = int(np.prod([d for d in shape if d != -1]))
     new = tuple(total // max(known, 1) if d == -1 else int(d) for d in shape)
-    if len(new) != 2 or new[0] != self.scale.size or int(np.prod(new)) != int(np.prod(self.shape)):
-      raise ValueError(f"a QuantizedWeight of {self.shape} reshapes to [out, in] with {self.scale.size} rows,"
-                       f" not {shape}")
+    if len(new) != 2 or new[0] != rows or int(np.prod(new)) != int(np.prod(self.shape)):
+      raise ValueError(f"a QuantizedWeight of {self.shape} reshapes to [out, in] with {rows} rows, not {shape}")
     q = None if self.q is None else self.q.reshape(new)
-    return self.replace(q=q, scale=self.scale.reshape(-1), stored_shape=() if q is not None else new)
+    scale = self.scale.reshape(-1) if self.layer is None else self.scale.reshape(self.scale.shape[0], -1)
+    return self.replace(q=q, scale=scale, stored_shape=() if q is not None else new)
 
   def dequantize(self, dtype=jnp.float32) -> Array:
+    if self.layer is not None:
+      return self.one_layer().dequantize(dtype)
     q = self.matrix().reshape(self.shape)
     scale = self.scale.reshape(self.scale.shape + (1,) * (q.ndim - self.scale.ndim))
     return (q.astype(jnp.float32) * scale).astype(dtype)
@@ -200,6 +220,25 @@ def quantize(w: Float[Array, "..."], out_dims: int = 1, activation_bits: int = 1
   scale = jnp.where(amax > 0, amax / 127.0, 1.0)
   q = jnp.clip(jnp.round(w / scale.reshape(scale.shape + (1,) * len(axes))), -127, 127).astype(jnp.int8)
   return QuantizedWeight(q, scale, tiles=tile_weights(q.reshape(scale.size, -1), activation_bits))
+
+
+def stack_layers(weights: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
+  """The same weights (one a layer, alike in shape, layout and adapters,
+  holding their tiles only) as views of one stack of each of their arrays:
+  weight i is layer i of it. A pass then hands XLA one operand per kind of
+  weight instead of one per layer (a dispatch's cost grows with the count),
+  and each product reads its layer in place."""
+  if not weights:
+    raise ValueError("no weights to stack")
+  first = weights[0]
+  for w in weights:
+    if w.q is not None or w.layer is not None:
+      raise ValueError("stack_layers takes weights holding their tiles alone (`without_rows`), none stacked yet")
+    if (w.shape, w.tiles.dtype, w.adapters is None) != (first.shape, first.tiles.dtype, first.adapters is None):
+      raise ValueError(f"stacked weights differ: {w.shape} {w.tiles.dtype} against {first.shape} {first.tiles.dtype}"
+                       " (or one has adapters and another none)")
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *weights)
+  return [stacked.replace(layer=i) for i in range(len(weights))]
 
 
 ACTIVATION_MAX = 32767.0
@@ -235,6 +274,10 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
   if w.ndim != 2:
     raise ValueError(f"int8_matmul takes a 2-D [out, in] weight, got {w.shape}")
   x2d = x2d.astype(jnp.float32)
+  layer = w.layer or 0
+  use_kernel = x2d.shape[0] <= KERNEL_MAX_ROWS and jax.default_backend() == "cpu" and native_kernel_ready()
+  if not use_kernel:
+    w = w.one_layer()
   ad = None if adapter_rows is False else w.adapters
   rows = None
   if ad is not None:
@@ -255,18 +298,18 @@ def int8_matmul(x2d: Float[Array, "m k"], w: QuantizedWeight,
 
   # Decided while tracing, not with lax.platform_dependent: its conditional
   # around every product kept XLA:CPU from running the passes at speed.
-  if x2d.shape[0] > KERNEL_MAX_ROWS or jax.default_backend() != "cpu" or not native_kernel_ready():
+  if not use_kernel:
     return with_xla(x2d, w.matrix(), w.scale)
   out = jax.ShapeDtypeStruct((x2d.shape[0], w.shape[0]), jnp.float32)
   tiles = w.tiles if w.tiles is not None else tile_weights(w.q)  # made here, every call, for a bare weight
   plain, lora = (FFI_TARGET, LORA_FFI_TARGET) if bits == 16 else (A8_FFI_TARGET, A8_LORA_FFI_TARGET)
   if ad is None:
-    return jax.ffi.ffi_call(plain, out)(x2d, tiles, w.scale)
+    return jax.ffi.ffi_call(plain, out)(x2d, tiles, w.scale, layer=np.int64(layer))
   if ad.at.dtype == jnp.bfloat16 and ad.b.dtype == jnp.bfloat16:
     lora += BF16
   elif ad.at.dtype != jnp.float32 or ad.b.dtype != jnp.float32:
     raise ValueError(f"adapters are held in float32 or bfloat16 alike, not {ad.at.dtype} and {ad.b.dtype}")
-  return jax.ffi.ffi_call(lora, out)(x2d, tiles, w.scale, ad.at, ad.b, ad.ends, rows)
+  return jax.ffi.ffi_call(lora, out)(x2d, tiles, w.scale, ad.at, ad.b, ad.ends, rows, layer=np.int64(layer))
 
 
 _lock = threading.Lock()

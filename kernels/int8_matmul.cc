@@ -446,20 +446,47 @@ ffi::Error MultiplyA8(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t 
   return ffi::Error::Success();
 }
 
+// One layer's part of an operand: the operand itself ([rank] dimensions,
+// layer 0), or layer `layer` of one that holds every layer's along a leading
+// axis ([layers, rank...]): the decoding copy stacks each kind of weight so
+// that a pass hands XLA a few dozen operands, not a thousand (dispatch cost
+// grows with their count), and each call reads its layer in place.
+struct Layer {
+  const void* data = nullptr;
+  ffi::Span<const int64_t> dims;
+  int64_t count = 0;  // elements of one layer
+
+  template <typename T>
+  const T* as() const {
+    return static_cast<const T*>(data);
+  }
+};
+
+bool LayerOf(const void* data, size_t element_bytes, ffi::Span<const int64_t> dims, size_t rank, int64_t layer,
+             Layer& out) {
+  const bool stacked = dims.size() == rank + 1;
+  if (!(dims.size() == rank && layer == 0) && !(stacked && layer >= 0 && layer < dims[0])) return false;
+  out.dims = dims.last(rank);
+  out.count = 1;
+  for (int64_t d : out.dims) out.count *= d;
+  out.data = static_cast<const char*>(data) + (stacked ? layer * out.count * element_bytes : 0);
+  return true;
+}
+
 // x [m, k], tiles [ceil(n / kTile), kp / kWide, kTile, kWide] with the
 // columns padded to kp (int16 rows: pairs, kp a multiple of kPad; 8-bit rows:
 // quads, kp a multiple of kGroup), scale [n].
-template <typename Tiles>
-bool WantTiles(ffi::Buffer<ffi::F32>& x, Tiles& tiles, ffi::Buffer<ffi::F32>& scale, int64_t wide, int64_t pad) {
+bool WantTiles(ffi::Buffer<ffi::F32>& x, const Layer& tiles, const Layer& scale, int64_t wide, int64_t pad) {
   auto xd = x.dimensions();
-  auto td = tiles.dimensions();
-  const int64_t n = scale.element_count();
-  return xd.size() == 2 && td.size() == 4 && td[0] == (n + kTile - 1) / kTile &&
-         td[1] == (xd[1] + pad - 1) / pad * pad / wide && td[2] == kTile && td[3] == wide;
+  auto td = tiles.dims;
+  const int64_t n = scale.count;
+  return xd.size() == 2 && td[0] == (n + kTile - 1) / kTile && td[1] == (xd[1] + pad - 1) / pad * pad / wide &&
+         td[2] == kTile && td[3] == wide;
 }
 
 // The adapters' operands of a call: at [parts * rank, k], b [rank, n], ends
-// [parts], rows [m]; at and b float32, or bfloat16 with `bf16`.
+// [parts] (each maybe one layer of a stack, as the weight's), rows [m]; at and
+// b float32, or bfloat16 with `bf16`.
 struct AdapterOperands {
   const void* at;
   ffi::Span<const int64_t> at_dims;
@@ -472,22 +499,25 @@ struct AdapterOperands {
 
 // The adapters' operands checked, and u = x @ A [m, parts * rank] for the
 // token rows they act on (zeros elsewhere).
-ffi::Error AdapterInputs(ffi::Buffer<ffi::F32>& x, int64_t n, const AdapterOperands& op, std::vector<float>& u,
-                         Adapters& ad) {
+ffi::Error AdapterInputs(ffi::Buffer<ffi::F32>& x, int64_t n, const AdapterOperands& op, int64_t layer,
+                         std::vector<float>& u, Adapters& ad) {
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
-  const int64_t parts = op.ends.element_count();
-  auto ad_ = op.at_dims;
-  auto bd = op.b_dims;
-  if (parts < 1 || ad_.size() != 2 || bd.size() != 2 || ad_[1] != k || bd[1] != n || ad_[0] != parts * bd[0] ||
+  const size_t width = op.bf16 ? 2 : 4;
+  Layer at, b, ends;
+  const bool fits = LayerOf(op.at, width, op.at_dims, 2, layer, at) && LayerOf(op.b, width, op.b_dims, 2, layer, b) &&
+                    LayerOf(op.ends.typed_data(), 4, op.ends.dimensions(), 1, layer, ends);
+  const int64_t parts = fits ? ends.count : 0;
+  if (!fits || parts < 1 || at.dims[1] != k || b.dims[1] != n || at.dims[0] != parts * b.dims[0] ||
       op.rows.element_count() != m) {
     return ffi::Error::InvalidArgument(
-        "int8_lora_matmul: want at [parts * rank, k], b [rank, n], ends [parts] and rows [m]");
+        "int8_lora_matmul: want at [parts * rank, k], b [rank, n], ends [parts] (each maybe layer `layer` of a"
+        " stack) and rows [m]");
   }
-  const int64_t rank = bd[0];
+  const int64_t rank = b.dims[0];
   u.assign(m * parts * rank, 0.f);
   const float* xp = x.typed_data();
-  const float* ap = op.bf16 ? nullptr : static_cast<const float*>(op.at);
-  const uint16_t* ap16 = op.bf16 ? static_cast<const uint16_t*>(op.at) : nullptr;
+  const float* ap = op.bf16 ? nullptr : at.as<float>();
+  const uint16_t* ap16 = op.bf16 ? at.as<uint16_t>() : nullptr;
   const float* rp = op.rows.typed_data();
   for (int64_t r = 0; r < m; ++r) {
     if (rp[r] == 0.f) continue;
@@ -512,31 +542,36 @@ ffi::Error AdapterInputs(ffi::Buffer<ffi::F32>& x, int64_t n, const AdapterOpera
       u[r * parts * rank + c] = acc;
     }
   }
-  ad = Adapters{u.data(), op.bf16 ? nullptr : static_cast<const float*>(op.b),
-                op.bf16 ? static_cast<const uint16_t*>(op.b) : nullptr, op.ends.typed_data(), parts, rank, n, rp};
+  ad = Adapters{u.data(), op.bf16 ? nullptr : b.as<float>(), op.bf16 ? b.as<uint16_t>() : nullptr,
+                ends.as<int32_t>(), parts, rank, n, rp};
   return ffi::Error::Success();
 }
 
-// One call of either kernel (kA8: 8-bit token rows), with adapters when
-// `adapters` is given: its operands checked, then the product.
+// One call of either kernel (kA8: 8-bit token rows) on layer `layer` of its
+// weight's operands, with adapters when `adapters` is given: its operands
+// checked, then the product.
 template <bool kA8, typename Tiles>
-ffi::Error Product(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, Tiles& tiles,
-                   ffi::Buffer<ffi::F32>& scale, const AdapterOperands* adapters, float* y) {
-  if (!WantTiles(x, tiles, scale, kA8 ? 4 : 2, kA8 ? kGroup : kPad)) {
+ffi::Error Product(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, Tiles& tiles_op,
+                   ffi::Buffer<ffi::F32>& scale_op, const AdapterOperands* adapters, int64_t layer, float* y) {
+  Layer tiles, scale;
+  if (!LayerOf(tiles_op.typed_data(), 1, tiles_op.dimensions(), 4, layer, tiles) ||
+      !LayerOf(scale_op.typed_data(), 4, scale_op.dimensions(), 1, layer, scale) ||
+      !WantTiles(x, tiles, scale, kA8 ? 4 : 2, kA8 ? kGroup : kPad)) {
     return ffi::Error::InvalidArgument(std::string(name) +
-                                       ": want x [m, k], scale [n] and the tiles of an [n, k] weight");
+                                       ": want x [m, k], scale [n] and the tiles of an [n, k] weight (each maybe"
+                                       " layer `layer` of a stack)");
   }
-  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = scale.element_count();
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = scale.count;
   std::vector<float> u;
   Adapters ad;
   if (adapters != nullptr) {
-    if (auto e = AdapterInputs(x, n, *adapters, u, ad); e.failure()) return e;
+    if (auto e = AdapterInputs(x, n, *adapters, layer, u, ad); e.failure()) return e;
   }
   const Adapters* adp = adapters != nullptr ? &ad : nullptr;
   if constexpr (kA8) {
-    return MultiplyA8(pool, x.typed_data(), m, k, tiles.typed_data(), scale.typed_data(), n, adp, y);
+    return MultiplyA8(pool, x.typed_data(), m, k, tiles.as<uint8_t>(), scale.as<float>(), n, adp, y);
   } else {
-    return Multiply(pool, x.typed_data(), m, k, tiles.typed_data(), scale.typed_data(), n, adp, y);
+    return Multiply(pool, x.typed_data(), m, k, tiles.as<int8_t>(), scale.as<float>(), n, adp, y);
   }
 }
 
@@ -546,17 +581,19 @@ ffi::Error Product(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32
 // says which), without or with adapters.
 template <bool kA8, ffi::DataType kTiles>
 ffi::Error PlainProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kTiles> tiles,
-                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  return Product<kA8>(kA8 ? "int8_a8_matmul" : "int8_matmul", pool, x, tiles, scale, nullptr, y->typed_data());
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y, int64_t layer) {
+  return Product<kA8>(kA8 ? "int8_a8_matmul" : "int8_matmul", pool, x, tiles, scale, nullptr, layer,
+                      y->typed_data());
 }
 
 template <bool kA8, ffi::DataType kTiles, ffi::DataType kAdapters>
 ffi::Error AdaptedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kTiles> tiles,
                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<kAdapters> at, ffi::Buffer<kAdapters> b,
-                          ffi::Buffer<ffi::S32> ends, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::S32> ends, ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t layer) {
   const AdapterOperands adapters{at.typed_data(), at.dimensions(), b.typed_data(), b.dimensions(),
                                  kAdapters == ffi::BF16, ends, rows};
-  return Product<kA8>(kA8 ? "int8_a8_lora_matmul" : "int8_lora_matmul", pool, x, tiles, scale, &adapters,
+  return Product<kA8>(kA8 ? "int8_a8_lora_matmul" : "int8_lora_matmul", pool, x, tiles, scale, &adapters, layer,
                       y->typed_data());
 }
 
@@ -567,7 +604,8 @@ ffi::Error AdaptedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                                     .Arg<ffi::Buffer<ffi::F32>>()                                            \
                                     .Arg<ffi::Buffer<tile_type>>()                                           \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                            \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Ret<ffi::Buffer<ffi::F32>>()                                            \
+                                    .Attr<int64_t>("layer"));
 #define MDLM_JAX_LORA_PRODUCT(name, impl, tile_type, adapter_type)                                           \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                                                                  \
                                 ffi::Ffi::Bind()                                                             \
@@ -579,7 +617,8 @@ ffi::Error AdaptedProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                                     .Arg<ffi::Buffer<adapter_type>>()                                        \
                                     .Arg<ffi::Buffer<ffi::S32>>()                                            \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                            \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Ret<ffi::Buffer<ffi::F32>>()                                            \
+                                    .Attr<int64_t>("layer"));
 
 MDLM_JAX_PRODUCT(Int8Matmul, (PlainProduct<false, ffi::S8>), ffi::S8)
 MDLM_JAX_LORA_PRODUCT(Int8LoraMatmul, (AdaptedProduct<false, ffi::S8, ffi::F32>), ffi::S8, ffi::F32)

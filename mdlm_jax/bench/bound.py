@@ -39,22 +39,21 @@ def weight_bytes(params, cfg) -> int:
   (a tied one is the output head too, read whole), adapters' own params
   where int8 weights carry them joined (a pass reads those copies), and of
   an int8 weight the layout its product reads (the kernel's tiles where it
-  has them, not also `q`)."""
+  has them, not also `q`). An array several leaves share (a stack of
+  every layer's, `model.stacked`) counts once."""
   from mdlm_jax import kernels
   is_q = lambda x: isinstance(x, kernels.QuantizedWeight)  # noqa: E731
   joined = any(is_q(x) and x.adapters is not None for x in jax.tree.leaves(params, is_leaf=is_q))
   nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
-  total = 0
+  read = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
     name = jax.tree_util.keystr(path)
     if (not cfg.tie_embeddings and "embedding" in name) or (joined and "lora_" in name):
       continue
-    if is_q(leaf):
-      read = [leaf.q if leaf.tiles is None else leaf.tiles, leaf.scale]
-      total += sum(nbytes(x) for x in read + jax.tree.leaves(leaf.adapters))
-    else:
-      total += nbytes(leaf)
-  return total
+    arrays = ([leaf.q if leaf.tiles is None else leaf.tiles, leaf.scale, *jax.tree.leaves(leaf.adapters)]
+              if is_q(leaf) else [leaf])
+    read.update((id(x), x) for x in arrays)
+  return sum(nbytes(x) for x in read.values())
 
 
 def pass_bound(pass_s: float, weights: int, cache_tokens: float, cfg, bandwidth: float) -> dict:

@@ -501,17 +501,25 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
   state and `published(state)`, buffers of their own: the host can read a
   pass's results after handing its state to the next pass.
 
-  Both take the weights as `Programs.leaves`, a flat list: jit's dispatch
-  flattens a nested dict of an imported model's thousand-odd arrays in
-  about half a millisecond, every pass."""
+  Both take the weights as `Programs.leaves`, a flat list of distinct
+  arrays: jit's dispatch flattens a nested dict of an imported model's
+  thousand-odd arrays in about half a millisecond, every pass, and checks
+  each argument it is handed (a stacked decoding copy, `model.stacked`,
+  names each stack once a layer: handed once, it is one argument)."""
   spec = loaded.spec
-  leaves, tree = jax.tree.flatten(loaded.params)
+  every, tree = jax.tree.flatten(loaded.params)
+  slot = {}
+  index = [slot.setdefault(id(x), len(slot)) for x in every]
+  leaves = list({id(x): x for x in every}.values())
+
+  def params_of(leaves):
+    return jax.tree.unflatten(tree, [leaves[i] for i in index])
 
   def admit_flat(leaves, state, *args, **kwargs):
-    return admit(spec, sc, jax.tree.unflatten(tree, leaves), state, *args, **kwargs)
+    return admit(spec, sc, params_of(leaves), state, *args, **kwargs)
 
   def run(leaves, state, guides, table, rows, with_head=True, logprobs=False, revising=False):
-    params = jax.tree.unflatten(tree, leaves)
+    params = params_of(leaves)
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
     state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising, table)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from mdlm_jax.model.transformer import (DECODE_DTYPES, INT8_ACTIVATION_BITS, ModelConfig, Transformer,
                                         adapters_fit_bfloat16, convert_weight_layout, quantize_for_decoding)
+from mdlm_jax.model.stacked import stack_blocks
 from mdlm_jax.parallel import sharding
 
 
@@ -129,13 +130,14 @@ def for_decoding(loaded: Any, layout: str | None = None, decode_dtype: str = "fl
 
 def with_int8_weights(loaded: Any, activation_bits: int = 16) -> Any:
   """The same "out_in" model with int8 matmul weights (`quantize_for_decoding`),
-  on its one device: a copy made once, for decoding only."""
+  on its one device, each kind of the blocks' arrays in one stack
+  (`stacked.stack_blocks`): a copy made once, for decoding only."""
   first = jax.tree.leaves(loaded.params)[0].sharding
   if isinstance(first, jax.sharding.NamedSharding) and first.mesh.size > 1:
     raise ValueError("int8 decoding weights are for one device; this model is sharded over"
                      f" {first.mesh.size} devices")
   params = jax.jit(int8_quantizer(loaded.params, loaded.spec.cfg, activation_bits))(loaded.params)
-  return dataclasses.replace(loaded, params=params)
+  return dataclasses.replace(loaded, params=stack_blocks(params))
 
 
 def int8_quantizer(params: Any, cfg: ModelConfig, activation_bits: int):

@@ -10,6 +10,8 @@ import pytest
 from mdlm_jax import kernels
 from mdlm_jax.kernels import int8
 
+ONE = np.int64(0)  # the kernels' `layer` attribute for an operand holding one weight, not a stack
+
 
 def fresh_rng():
   seed = int(np.random.SeedSequence().entropy % 2**31)
@@ -148,7 +150,7 @@ def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_
   x[0] = np.abs(x[0])  # with row 0 of q, a sum of the largest products
   out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
   tiles = kernels.tile_weights(jnp.asarray(q))
-  got = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), tiles, jnp.asarray(scale)))
+  got = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), tiles, jnp.asarray(scale), layer=ONE))
   xq, xs = rows_rounded_to_int16(x)
   want = (xq @ q.astype(np.int64).T) * xs[:, None].astype(np.float64) * scale.astype(np.float64)[None, :]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"seed {seed}")
@@ -159,7 +161,8 @@ def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_
   ad = kernels.join_adapters(list(zip(a, b)), 0.5)
   chosen = rng.random(rows) < 0.5
   got = np.asarray(jax.ffi.ffi_call(name + "_lora", out)(jnp.asarray(x), tiles, jnp.asarray(scale), ad.at, ad.b,
-                                                         ad.ends, jnp.asarray(chosen, jnp.float32)), np.float64)
+                                                         ad.ends, jnp.asarray(chosen, jnp.float32), layer=ONE),
+                   np.float64)
   delta = np.concatenate([x.astype(np.float64) @ ai @ bi for ai, bi in zip(a, b)], axis=1) * 0.5
   want = want + delta * chosen[:, None]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
@@ -309,7 +312,7 @@ def test_the_8_bit_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags
   x[0] = np.abs(x[0]).max()  # every value rounds to 127
   out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
   got = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), kernels.tile_weights(jnp.asarray(q), 8),
-                                               jnp.asarray(scale)), np.float64)
+                                               jnp.asarray(scale), layer=ONE), np.float64)
   want, magnitude, ties = int8_groups_product(x, q.astype(np.int64), scale)
   assert (np.abs(got - want) <= 3e-6 * magnitude + ties + 1e-30).all(), f"seed {seed}"
 
@@ -359,8 +362,50 @@ def test_bfloat16_adapters_give_the_products_of_their_float_values(bits, flags, 
     plain, lora = ("Int8Matmul", "Int8Bf16LoraMatmul") if bits == 16 else ("Int8A8Matmul", "Int8A8Bf16LoraMatmul")
     name = build_without(flags, tmp_path, monkeypatch, plain, lora)
     out = jax.ShapeDtypeStruct((rows, qw.scale.shape[0]), jnp.float32)
-    base = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), qw.tiles, qw.scale), np.float64)
+    base = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), qw.tiles, qw.scale, layer=ONE), np.float64)
     got = np.asarray(jax.ffi.ffi_call(name + "_lora", out)(jnp.asarray(x), qw.tiles, qw.scale, ad.at, ad.b, ad.ends,
-                                                           jnp.asarray(chosen, jnp.float32)), np.float64)
+                                                           jnp.asarray(chosen, jnp.float32), layer=ONE),
+                     np.float64)
   want = base + delta * chosen[:, None]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_weight_of_a_stack_multiplies_as_its_own_layer_would(kernel, bits, monkeypatch):
+  """`stack_layers` holds every layer's weight, scale and adapters in one
+  array each: layer i's product reads its own part in place, as the weight
+  holding its own arrays multiplies."""
+  serve_with(kernel, monkeypatch)
+  rng, seed = fresh_rng()
+  layers, n, k, rank = 3, int(rng.integers(1, 80)), int(rng.integers(1, 100)), int(rng.integers(1, 6))
+  own = []
+  for _ in range(layers):
+    w = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32), activation_bits=bits).without_rows()
+    a, b = rng.normal(size=(k, rank)).astype(np.float32), rng.normal(size=(rank, n)).astype(np.float32)
+    own.append(w.replace(adapters=kernels.join_adapters([(a, b)], 0.5)))
+  stacked = kernels.stack_layers(own)
+  assert stacked[0].tiles is stacked[2].tiles and stacked[1].tiles.shape == (layers, *own[1].tiles.shape)
+  rows = int(rng.integers(1, 9))
+  x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+  chosen = jnp.asarray(rng.random(rows) < 0.5)
+  product = jax.jit(kernels.int8_matmul)
+  for i in range(layers):
+    want = np.asarray(product(x, own[i], chosen))
+    np.testing.assert_allclose(np.asarray(product(x, stacked[i], chosen)), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max(), err_msg=f"layer {i}, seed {seed}")
+    np.testing.assert_allclose(np.asarray(product(x, stacked[i].replace(adapters=None))),
+                               np.asarray(product(x, own[i].replace(adapters=None))), rtol=1e-6, atol=1e-5,
+                               err_msg=f"layer {i} without adapters, seed {seed}")
+
+
+def test_the_kernel_refuses_a_layer_outside_its_stack():
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine: the XLA path serves every call")
+  rng = np.random.default_rng()
+  own = [kernels.quantize(jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)).without_rows() for _ in range(2)]
+  beyond = kernels.stack_layers(own)[1].replace(layer=2)
+  with pytest.raises(Exception, match="layer `layer` of a stack"):
+    np.asarray(jax.jit(kernels.int8_matmul)(jnp.ones((1, 16), jnp.float32), beyond))
+  with pytest.raises(ValueError, match="none stacked yet"):
+    kernels.stack_layers([beyond, beyond])

@@ -4,6 +4,7 @@ float path (token rows rounded to int16 alike), and lie within that rounding's
 reach of a float32 model holding the dequantized weights."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -40,7 +41,7 @@ def test_every_matmul_weight_is_int8_and_the_logits_are_the_dequantized_models(d
   # a product's weight is held once, as the kernel's tiles; the table is gathered from too
   assert block["mlp"]["w_in"].q is None and block["mlp"]["w_in"].tiles is not None
   assert q.params["embedding"].q is not None
-  int8_bytes = sum(x.nbytes for x in jax.tree.leaves(q.params))
+  int8_bytes = sum(x.nbytes for x in {id(x): x for x in jax.tree.leaves(q.params)}.values())  # stacks once
   float_bytes = sum(x.nbytes for x in jax.tree.leaves(diffusion.params))
   assert int8_bytes < 0.3 * float_bytes
   rng = np.random.default_rng()
@@ -112,28 +113,32 @@ def test_bad_decode_dtypes_are_refused(diffusion):
     Generator(diffusion, weight_layout="in_out", decode_dtype="int8")
 
 
+def block_pass_logits(spec, params, tokens):
+  """The logits of one pass over a fresh cache that keeps the first half of
+  `tokens` [1, 8] as a clean head and denoises the second as a block."""
+  from mdlm_jax.model.kv_cache import KVCache
+  cache = KVCache.init(spec.cfg, 1, 16)
+  positions = jax.numpy.arange(8, dtype=jax.numpy.int32)[None]
+  return np.asarray(jax.jit(lambda p: bind(spec, p).forward_cached(tokens, positions, cache, commit=True, new_block=4,
+                                                                   commit_len=4)[0])(params))
+
+
 def test_adapters_joined_into_int8_weights_act_on_the_noisy_rows_as_separate_ones(monkeypatch):
   """An adapted model's int8 copy carries its adapters inside the weights they
   adapt: a pass that keeps a clean head and denoises a block gives the logits
   of the same int8 weights with the adapters as separate products, and those
   of XLA's path."""
-  from mdlm_jax.model.kv_cache import KVCache
   from tests.conftest import adapted_from
   adapted = adapted_from(checkpoints.load(packaged.path(packaged.AR)), lora_rank=4, block_size=4)
   q = for_decoding(adapted, decode_dtype="int8")
   block = q.params["blocks"][0]
-  assert block["attn"]["wqkv"].adapters.ends.shape == (3,) and block["mlp"]["w_in"].adapters.ends.shape == (2,)
+  wqkv, w_in = block["attn"]["wqkv"].one_layer(), block["mlp"]["w_in"].one_layer()
+  assert wqkv.adapters.ends.shape == (3,) and w_in.adapters.ends.shape == (2,)
   apart = dict(q.params, blocks={i: jax.tree.map(
       lambda x: x.replace(adapters=None) if isinstance(x, kernels.QuantizedWeight) else x, blk,
       is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight)) for i, blk in q.params["blocks"].items()})
-  rng = np.random.default_rng()
-  tokens = jax.numpy.asarray(rng.integers(0, adapted.spec.cfg.vocab_size, size=(1, 8)), jax.numpy.int32)
-  positions = jax.numpy.arange(8, dtype=jax.numpy.int32)[None]
-
-  def logits(params):
-    cache = KVCache.init(q.spec.cfg, 1, 16)
-    return np.asarray(jax.jit(lambda p: bind(q.spec, p).forward_cached(tokens, positions, cache, commit=True,
-                                                                        new_block=4, commit_len=4)[0])(params))
+  tokens = np.random.default_rng().integers(0, adapted.spec.cfg.vocab_size, size=(1, 8)).astype(np.int32)
+  logits = functools.partial(block_pass_logits, q.spec, tokens=tokens)
   got = logits(q.params)
   # Float32 differences in the order of the sums flip the odd int16 rounding of
   # a later layer's rows (2^-16 of a row's largest magnitude each): hence 1e-3.
@@ -147,3 +152,25 @@ def test_adapters_joined_into_int8_weights_act_on_the_noisy_rows_as_separate_one
                         if isinstance(x, kernels.QuantizedWeight) and x.adapters is not None else x, q.params,
                         is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight))
   assert np.abs(logits(zeroed) - got).max() > 20 * tol
+
+
+def test_the_int8_copy_holds_each_kind_of_block_array_once_and_decodes_as_one_array_a_layer():
+  """`with_int8_weights` stacks the blocks' arrays (`model.stacked`): a pass
+  hands XLA a few dozen arrays instead of one per layer and kind, and its
+  logits are those of the copy holding an array per layer."""
+  from mdlm_jax.engine.slots import SlotConfig, compile_programs
+  from mdlm_jax.model.spec import int8_quantizer
+  from tests.conftest import adapted_from
+  adapted = adapted_from(checkpoints.load(packaged.path(packaged.AR)), lora_rank=4, block_size=4)
+  q = for_decoding(adapted, decode_dtype="w8a8")
+  out_in = for_decoding(adapted, layout="out_in")
+  apart = jax.jit(int8_quantizer(out_in.params, out_in.spec.cfg, 8))(out_in.params)
+  per_layer = len(jax.tree.leaves(apart["blocks"][0]))
+  distinct = {id(x) for x in jax.tree.leaves(q.params)}
+  assert len(distinct) <= len(jax.tree.leaves(apart)) - (adapted.spec.cfg.num_layers - 1) * per_layer
+  sc = SlotConfig(num_slots=1, block_size=4, max_prompt=16, max_new_tokens=16, mask_id=0, eos_id=1)
+  assert len(compile_programs(q, sc).leaves) == len(distinct)
+  tokens = np.random.default_rng().integers(0, adapted.spec.cfg.vocab_size, size=(1, 8)).astype(np.int32)
+  logits = functools.partial(block_pass_logits, q.spec, tokens=tokens)
+  want = logits(apart)
+  np.testing.assert_allclose(logits(q.params), want, rtol=0, atol=1e-5 * np.abs(want).max())
