@@ -41,10 +41,11 @@ from jaxtyping import Array, Bool, Float, Int8, Int32
 # kernel 61 ms, XLA on the converted weights 221, float32 weights 75; at 64
 # rows 128, 249 and 125. With the vectorized epilogue (2026-11-27, `bench
 # kernels --int8-rows`): 68 rows 81 ms against XLA's 317, 128 rows 142
-# against 394, 256 rows 280 against 549. The engine's decoding copies serve
-# at most 64 rows a pass (`FEW_ROWS`) and prefill longer prompts from the
-# float32 copy; the one-shot generator encodes a prompt and its first block
-# in its decoding program (68 rows for a 64-token prompt).
+# against 394, 256 rows 280 against 549. The engine's int8 copies serve
+# passes and prefills of up to this many rows (`engine.int8_prefill_rows`),
+# longer prompts prefill from the float32 copy; the one-shot generator
+# encodes a prompt and its first block in its decoding program (68 rows for
+# a 64-token prompt).
 KERNEL_MAX_ROWS = 256
 FFI_TARGET = "mdlm_jax_int8_matmul"
 LORA_FFI_TARGET = "mdlm_jax_int8_lora_matmul"

@@ -146,6 +146,19 @@ def test_passes_pick_the_weight_layout_by_size(loaded):
   assert one.weight_layout_for(8) == one.weight_layout_for(128) == "in_out" and one.weight_layouts == ["in_out"]
 
 
+def test_an_int8_copy_serves_prefills_up_to_its_kernels_rows(loaded):
+  """With int8 weights (and the CPU kernel) prefills of up to the kernel's
+  rows read the int8 copy, as the AR path's do; longer ones the trained
+  layout in float32."""
+  from mdlm_jax import kernels
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine: int8 products take XLA's path")
+  e = Engine(loaded, num_slots=2, max_prompt=32, max_new_tokens=16, block_size=8, decode_dtype="int8")
+  rows = kernels.int8.KERNEL_MAX_ROWS
+  assert rows > FEW_ROWS
+  assert e.weight_layout_for(rows) == "out_in" and e.weight_layout_for(rows + 1) == "in_out"
+
+
 @pytest.mark.slow  # compiles and reads a pass's HLO (about 14 s)
 def test_passes_do_not_copy_the_cache(loaded):
   """A pass (over the first slots, or all) must update the slot state in
