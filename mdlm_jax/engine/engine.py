@@ -34,6 +34,7 @@ from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
 from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import decoding_pair, next_token_view
+from mdlm_jax.model.transformer import INT8_ACTIVATION_BITS
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.engine.requests import ContextLengthExceeded, EngineClosed, Event, QueueFull, Request
 from mdlm_jax.engine.handle import Handle
@@ -140,7 +141,7 @@ class Engine:
     self.grammar_policy = grammar_policy
     # A model trained with fill-in-the-middle reads the PSM prompt instead.
     self.fim = fim.format_for(loaded.config, tok)
-    # The programs for passes over at most FEW_ROWS token rows and for larger ones.
+    # The programs for passes and prefills over at most `_few_rows` token rows and for larger ones.
     self._few_rows = int8_prefill_rows(decode_dtype)
     self._few = slots_lib.compile_programs(few, self.sc)
     self._many = self._few if many is few else slots_lib.compile_programs(many, self.sc)
@@ -777,7 +778,6 @@ def int8_prefill_rows(decode_dtype: str) -> int:
   prefill took 150 to 230 ms from the int8 copy against 285 to 345 from the
   float32 one, the packaged default, measured), else FEW_ROWS (a float32
   [out, in] copy is the faster only for a few rows)."""
-  from mdlm_jax.model.transformer import INT8_ACTIVATION_BITS
   if decode_dtype in INT8_ACTIVATION_BITS and jax.default_backend() == "cpu" and kernels.native_kernel_ready():
     return kernels.int8.KERNEL_MAX_ROWS
   return FEW_ROWS

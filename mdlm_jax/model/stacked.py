@@ -54,10 +54,10 @@ def _is_int8(x) -> bool:
 
 
 def _stackable(path, leaf) -> bool:
-  """Whether a pass reads this block leaf in place from a stack: an int8
-  weight, a vector (read through a fused slice), or an adapter's own param
-  (read by no pass of an int8 copy)."""
-  return _is_int8(leaf) or leaf.ndim == 1 or "lora_" in jax.tree_util.keystr(path)
+  """Whether a pass reads this float block leaf in place from a stack: a
+  vector (read through a fused slice), or an adapter's own param (read by
+  no pass of an int8 copy). Int8 weights always stack."""
+  return leaf.ndim == 1 or "lora_" in jax.tree_util.keystr(path)
 
 
 def stack_blocks(params: dict) -> dict:
