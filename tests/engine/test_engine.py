@@ -59,6 +59,7 @@ def test_greedy_matches_the_generator_with_mixed_settings(loaded, engine):
   assert engine.stats["pass_turns"] > 0 and 0 <= engine.host_share() < 1
 
 
+@pytest.mark.slow  # sampled passes compile (CI: server's low-confidence test, and mixed settings greedy here)
 def test_low_confidence_and_threshold_rules_share_passes_and_decode_as_alone(loaded, engine):
   """LLaDA's schedule (k of a block's masks a pass, `steps` passes a block) served in the same passes as
   the threshold rule, sampled: each request's tokens are the one-shot cached sampler's for it alone."""

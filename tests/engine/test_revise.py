@@ -106,6 +106,7 @@ def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
   assert got.passes - (chunks - 1) == want.forward_passes < own.forward_passes
 
 
+@pytest.mark.slow  # an engine of its own compiles (CI: sampling/test_revise.py's table test, in the generator)
 def test_table_drafts_take_the_passes_the_generator_takes(models):
   """Drafts chained from the model's table of answers: the engine's passes and text are the generator's, the text
   the base's, in fewer passes than without the table."""

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mdlm_jax import kernels
-from mdlm_jax.kernels import cpu_attention, int8
+from mdlm_jax.kernels import cpu_attention
+from tests.kernels.conftest import BUILDS_GROUP
 
 pytestmark = pytest.mark.skipif(not kernels.native_kernel_ready(), reason="no C++ compiler on this machine")
 
@@ -70,10 +71,10 @@ def test_the_kernel_equals_a_float64_softmax_attention_on_random_masks():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
 
 
+@BUILDS_GROUP
 @pytest.mark.parametrize("flags", [("-mno-avx512f",)], ids=["no-avx512"])
-def test_the_kernel_built_without_avx512_computes_the_same(flags, tmp_path, monkeypatch):
-  monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
-  lib = ctypes.cdll.LoadLibrary(int8._build(flags))
+def test_the_kernel_built_without_avx512_computes_the_same(flags, kernels_built_with):
+  lib = ctypes.cdll.LoadLibrary(kernels_built_with(flags))
   jax.ffi.register_ffi_target("test_cache_attention_plain", jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
   rng, seed = fresh_rng()
   q, keys, values, layer, q_end, kv_valid = random_case(rng)

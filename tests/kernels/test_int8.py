@@ -9,6 +9,7 @@ import pytest
 
 from mdlm_jax import kernels
 from mdlm_jax.kernels import int8
+from tests.kernels.conftest import BUILDS_GROUP
 
 ONE = np.int64(0)  # the kernels' `layer` attribute for an operand holding one weight, not a stack
 
@@ -119,14 +120,12 @@ def test_a_row_of_zeros_and_the_largest_int16_products_do_not_overflow():
   np.testing.assert_allclose(got[1], 127.0 * k, rtol=1e-6 if kernels.native_kernel_ready() else 1e-4)
 
 
-def build_without(flags, tmp_path, monkeypatch, plain, lora=None):
-  """The kernels built with `flags` into a fresh cache, `plain` (and `lora`,
-  as name + "_lora") registered under a name of their own, which is returned."""
-  if not kernels.native_kernel_ready():
-    pytest.skip("no C++ compiler on this machine")
+def build_without(flags, kernels_built_with, plain, lora=None):
+  """The kernels built with `flags` (`kernels_built_with`), `plain` (and
+  `lora`, as name + "_lora") registered under a name of their own, which is
+  returned."""
   import ctypes
-  monkeypatch.setenv("MDLM_JAX_CACHE", str(tmp_path))
-  lib = ctypes.cdll.LoadLibrary(int8._build(flags))
+  lib = ctypes.cdll.LoadLibrary(kernels_built_with(flags))
   name = f"test_{plain}_{lora}_" + flags[0].strip("-").replace("-", "_")
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, plain)), platform="cpu")
   if lora:
@@ -134,13 +133,14 @@ def build_without(flags, tmp_path, monkeypatch, plain, lora=None):
   return name
 
 
+@BUILDS_GROUP
 @pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
-def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_path, monkeypatch):
+def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, kernels_built_with):
   """The paths for CPUs without AVX-512 VNNI (a plain integer loop) or
   without AVX-512 (scalar rounding, epilogue and adapters), built and checked
   here: exact integer sums over long rows (each chunk's int32 sum stays below
   2^31), and adapters on chosen rows."""
-  name = build_without(flags, tmp_path, monkeypatch, "Int8Matmul", "Int8LoraMatmul")
+  name = build_without(flags, kernels_built_with, "Int8Matmul", "Int8LoraMatmul")
   rng, seed = fresh_rng()
   k, n, rows = int(rng.integers(2000, 9000)), int(rng.integers(3, 70)), int(rng.integers(1, 12))
   q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
@@ -297,12 +297,13 @@ def test_8_bit_products_add_joined_adapters_to_the_chosen_rows(kernel, monkeypat
   assert (np.abs(got - want) <= 1e-5 * np.abs(want) + 1e-5 * np.abs(want).max() + ties).all(), f"seed {seed}"
 
 
+@BUILDS_GROUP
 @pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
-def test_the_8_bit_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, tmp_path, monkeypatch):
+def test_the_8_bit_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, kernels_built_with):
   """The 8-bit path's plain loops (no VNNI) and scalar rounding (no AVX-512)
   against the numpy reference, the largest products included: a group's sum
   of 32 products of 127 and the weights' offset of 128 stays in int32."""
-  name = build_without(flags, tmp_path, monkeypatch, "Int8A8Matmul")
+  name = build_without(flags, kernels_built_with, "Int8A8Matmul")
   rng, seed = fresh_rng()
   k, n, rows = int(rng.integers(40, 3000)), int(rng.integers(3, 70)), int(rng.integers(1, 12))
   q = rng.integers(-127, 128, size=(n, k)).astype(np.int8)
@@ -334,8 +335,9 @@ def test_8_bit_tiles_hold_each_rows_column_quads_offset_by_128():
 
 
 @pytest.mark.parametrize("bits", [16, 8])
+@BUILDS_GROUP
 @pytest.mark.parametrize("flags", [None, ("-mno-avx512f",)], ids=["native", "no-avx512"])
-def test_bfloat16_adapters_give_the_products_of_their_float_values(bits, flags, tmp_path, monkeypatch):
+def test_bfloat16_adapters_give_the_products_of_their_float_values(bits, flags, kernels_built_with):
   """Adapters held in bfloat16 (half the bytes) are read as the float32
   values they hold: the same update as a float64 product of those values."""
   rng, seed = fresh_rng()
@@ -360,7 +362,7 @@ def test_bfloat16_adapters_give_the_products_of_their_float_values(bits, flags, 
                      np.float64)
   else:
     plain, lora = ("Int8Matmul", "Int8Bf16LoraMatmul") if bits == 16 else ("Int8A8Matmul", "Int8A8Bf16LoraMatmul")
-    name = build_without(flags, tmp_path, monkeypatch, plain, lora)
+    name = build_without(flags, kernels_built_with, plain, lora)
     out = jax.ShapeDtypeStruct((rows, qw.scale.shape[0]), jnp.float32)
     base = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), qw.tiles, qw.scale, layer=ONE), np.float64)
     got = np.asarray(jax.ffi.ffi_call(name + "_lora", out)(jnp.asarray(x), qw.tiles, qw.scale, ad.at, ad.b, ad.ends,
