@@ -135,7 +135,7 @@ class Engine:
     self.prefill_chunk = prefill_chunk if 0 < prefill_chunk < max_prompt else 0
     self._arriving = 0
     self.run_ahead = run_ahead
-    self._view = None  # the last pass's `slots.published` arrays
+    self._view = None  # the last pass's `slots.published` array
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
     self.grammar_policy = grammar_policy
@@ -237,7 +237,7 @@ class Engine:
           self._run_pass(rows, with_head)
         if revises:
           self._run_pass(rows, True, revising=True)
-      _request_key(0)  # the key derivation compiles too
+      _request_key(0)  # the key derivation compiles too, where it runs on the device
       jax.block_until_ready(self._state)
     return self
 
@@ -694,33 +694,33 @@ class Engine:
       self._state = self._state.replace(active=_clear_rows(self._state.active, mask),
                                         cache=cache.replace(length=_zero_rows(cache.length, mask)))
 
-  def _gather(self, view: tuple, guided: bool = False, logprobs: bool = False):
-    """Host copies of what a publish reads (`view`: a pass's `slots.published`),
-    from every process's rows (after a guided pass also what it proposed for
-    the constrained rows). After a logprobs pass, the log-probabilities: on
-    one process left on the device for `Handle.logprob_entries` to read the
-    rows it needs; with several, gathered (a collective every process runs
-    alike). Guided and logprobs passes are gathered before the next pass runs."""
+  def _gather(self, view, guided: bool = False, logprobs: bool = False):
+    """Host copies of what a publish reads (`view`: a pass's `slots.published`
+    array), from every process's rows (after a guided pass also what it
+    proposed for the constrained rows). After a logprobs pass, the
+    log-probabilities: on one process left on the device for
+    `Handle.logprob_entries` to read the rows it needs; with several,
+    gathered (a collective every process runs alike). Guided and logprobs
+    passes are gathered before the next pass runs."""
     s = self._state
-    arrays = tuple(view)
+    arrays = (view,)
     if guided:
       arrays += (s.proposal, s.picked, s.proposed)
     single = jax.process_count() == 1
     if logprobs and not single:
       arrays += (s.logp, s.top_ids, s.top_logp)
+    t0 = time.perf_counter()
     if single:
-      t0 = time.perf_counter()
       out = jax.device_get(arrays)
-      self._waited = time.perf_counter() - t0
     else:
       from jax.experimental import multihost_utils
-      t0 = time.perf_counter()
       out = tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays)
-      self._waited = time.perf_counter() - t0
+    self._waited = time.perf_counter() - t0
     if guided:
-      self._guided_view = tuple(out[9:12])
+      self._guided_view = tuple(out[1:4])
     lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
-    return Snapshot.of_slots(*out[:9], block_size=self.sc.block_size, mask_id=self.sc.mask_id, logprobs=lp)
+    return Snapshot.of_slots(*slots_lib.unpack_published(out[0], self.sc), block_size=self.sc.block_size,
+                             mask_id=self.sc.mask_id, logprobs=lp)
 
   def _runs_ahead(self, turn: Turn) -> bool:
     """Whether this turn's pass is published after the next one is dispatched:
@@ -784,8 +784,14 @@ def int8_prefill_rows(decode_dtype: str) -> int:
 
 
 def _request_key(seed: int) -> np.ndarray:
-  """A request's PRNG key data, from its seed."""
-  return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+  """A request's PRNG key data, from its seed: what `jax.random.key(seed)`
+  holds, formed on the host for the default threefry keys (the seed's high
+  and low 32 bits, of 32 or, with x64, 64). Formed on the device it waited
+  for the running pass, a whole pass at every admission."""
+  if jax.config.jax_default_prng_impl != "threefry2x32":
+    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+  bits = int(seed) % (1 << (64 if jax.config.jax_enable_x64 else 32))
+  return np.array([bits >> 32, bits & 0xFFFFFFFF], np.uint32)
 
 
 def _row_sharding(mesh, x: Any, num_slots: int):

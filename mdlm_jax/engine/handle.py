@@ -26,6 +26,12 @@ class Handle:
     self._events: collections.deque[Event] = collections.deque()
     self._cond = threading.Condition()
     self._listeners: list[Callable[[], None]] = []
+    self._end_listeners: list[Callable[[], None]] = []
+    # Set with the "done" event: what `result` waits on, so a caller that
+    # wants only the end is not woken (its thread contending with the
+    # engine's for the interpreter) by every pass's delta.
+    self._ended = threading.Event()
+    self._done: Event | None = None
     self.cancelled = False
     self.finished = False
     self.submitted = time.perf_counter()
@@ -46,11 +52,13 @@ class Handle:
     """Holds a slot whose prompt is not all encoded yet (no passes)."""
     return self.slot is not None and self.prefilled < self.fixed_len
 
-  def add_listener(self, fn: Callable[[], None]) -> None:
-    """`fn()` is called (from the engine thread) whenever an event arrives."""
+  def add_listener(self, fn: Callable[[], None], *, end_only: bool = False) -> None:
+    """`fn()` is called (from the engine thread) whenever an event arrives,
+    or with `end_only` once the "done" event has (the events before it are
+    then all waiting in `poll`)."""
     with self._cond:
-      self._listeners.append(fn)
-      pending = bool(self._events)
+      (self._end_listeners if end_only else self._listeners).append(fn)
+      pending = self.finished if end_only else bool(self._events)
     if pending:
       fn()
 
@@ -58,9 +66,10 @@ class Handle:
     with self._cond:
       self._events.append(ev)
       if ev.kind == "done":
-        self.finished = True
+        self.finished, self._done = True, ev
+        self._ended.set()
       self._cond.notify_all()
-      listeners = list(self._listeners)
+      listeners = list(self._listeners) + (list(self._end_listeners) if ev.kind == "done" else [])
     for fn in listeners:
       fn()
 
@@ -82,10 +91,12 @@ class Handle:
         return
 
   def result(self, timeout: float | None = None) -> Event:
-    for ev in self.events(timeout):
-      if ev.kind == "done":
-        return ev
-    raise RuntimeError("unreachable")
+    """The "done" event, once the request has ended (the events before it are dropped)."""
+    if not self._ended.wait(timeout):
+      raise TimeoutError(f"request {self.id}: not done in {timeout}s")
+    with self._cond:
+      self._events.clear()
+    return self._done
 
   def cancel(self) -> None:
     self.cancelled = True

@@ -23,6 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
@@ -477,9 +478,21 @@ def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, wit
   return out.replace(cache=out.cache.replace(k=head.cache.k, v=head.cache.v))
 
 
-def published(s: Slots) -> tuple[jax.Array, ...]:
-  """What a publish reads of the state (`publishing.Snapshot.of_slots`'s arguments, in order)."""
-  return (s.gen, s.block, s.active, s.passes, s.head, s.decoding.revise, s.filled, s.ahead, s.n_ahead)
+def published(s: Slots) -> jax.Array:
+  """What a publish reads of the state, one int32 row a slot: the host reads
+  it in one transfer (nine arrays cost nine), `unpack_published` splits it."""
+  per_slot = (s.block, s.active, s.passes, s.head, s.decoding.revise, s.filled, s.n_ahead)
+  return jnp.concatenate([s.gen.astype(jnp.int32), jnp.stack(per_slot, 1).astype(jnp.int32),
+                          s.ahead.astype(jnp.int32)], 1)
+
+
+def unpack_published(rows: np.ndarray, sc: SlotConfig) -> tuple[np.ndarray, ...]:
+  """A host copy of `published`'s array as `publishing.Snapshot.of_slots`'s
+  arguments, in order (views of it; the flags as bools)."""
+  g = sc.max_new_tokens
+  block, active, passes, head, revise, filled, n_ahead = (rows[:, g + i] for i in range(7))
+  gen, ahead = rows[:, :g], rows[:, g + 7:]
+  return gen, block, active.astype(bool), passes, head.astype(bool), revise.astype(bool), filled, ahead, n_ahead
 
 
 class Programs(NamedTuple):

@@ -521,14 +521,16 @@ def _submit_each(state: ServerState, reqs: list[EngineRequest], want_drafts: boo
   return handles
 
 
-async def _events(handles, request: Request):
-  """Yields (choice index, event) from several handles as events arrive. A
-  client that disconnects cancels its requests: a watcher waits on the
-  connection itself, so their slots free within a pass, streaming or not."""
+async def _events(handles, request: Request, *, end_only: bool = False):
+  """Yields (choice index, event) from several handles as events arrive, or
+  with `end_only` (a response sent whole) as each request ends, its events
+  then all at once. A client that disconnects cancels its requests: a
+  watcher waits on the connection itself, so their slots free within a
+  pass, streaming or not."""
   loop = asyncio.get_running_loop()
   wake = asyncio.Event()
   for h in handles:
-    h.add_listener(lambda: loop.call_soon_threadsafe(wake.set))
+    h.add_listener(lambda: loop.call_soon_threadsafe(wake.set), end_only=end_only)
 
   async def watch():
     while True:
@@ -637,7 +639,7 @@ async def _whole(a: _Answer) -> JSONResponse:
   finals = {}
   entries = [[] if s.logprobs is not None else None for _ in reqs]
   try:
-    async for i, ev in _events(handles, request):
+    async for i, ev in _events(handles, request, end_only=True):
       if ev.logprobs is not None and entries[i] is not None:
         entries[i] += ev.logprobs
       if ev.kind == "done":

@@ -2,6 +2,7 @@
 per-request settings in one batch, drafts, cancellation, a mesh."""
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -222,6 +223,28 @@ def test_stop_strings_and_length(loaded, engine):
     assert cut.completion_tokens < free.completion_tokens  # the tokens of the text returned, no more
   short = engine.submit(_request(loaded, PROMPTS[0], max_tokens=5)).result(timeout=120)
   assert short.completion_tokens <= 5
+
+
+def test_an_end_listener_is_called_once_with_every_event_waiting(loaded, engine):
+  """A caller that wants only the end (a response sent whole, `result`) is
+  woken once, at the end, and every event is still there in order; a
+  listener to every event is called once an event."""
+  h = engine.submit(_request(loaded, PROMPTS[1], max_tokens=16, threshold=1.0, min_tokens=1), want_drafts=True)
+  calls = {"end": 0, "every": 0}
+  h.add_listener(lambda: calls.__setitem__("end", calls["end"] + 1), end_only=True)
+  h.add_listener(lambda: calls.__setitem__("every", calls["every"] + 1))
+  done = h.result(timeout=120)
+  assert done.kind == "done" and calls["end"] == 1
+  assert calls["every"] >= 3  # one draft a pass, over at least two blocks, and the end
+  late = []  # a listener added after the end is called at once
+  h.add_listener(lambda: late.append(1), end_only=True)
+  assert late == [1]
+  again = engine.submit(_request(loaded, PROMPTS[1], max_tokens=16, threshold=1.0, min_tokens=1), want_drafts=True)
+  polled, ended = [], threading.Event()
+  again.add_listener(lambda: (polled.append(again.poll()), ended.set()), end_only=True)
+  assert ended.wait(120)
+  kinds = [e.kind for e in polled[0]]  # drafts, deltas and the end: all at once
+  assert kinds[-1] == "done" and {"draft", "delta"} <= set(kinds) and polled[0][-1].text == done.text
 
 
 def test_a_faster_effort_takes_fewer_passes(loaded, engine):
@@ -739,3 +762,19 @@ def test_an_adapted_ar_model_decodes_in_the_engine_as_in_the_generator(tiny_chec
       assert h.result(timeout=120).text == want.text
   finally:
     e.close(deadline_s=1)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_request_keys_formed_on_the_host_are_jaxs_keys_of_the_seeds(x64):
+  """An admission forms its request's key on the host (on the device it
+  waited for the running pass): the key data `jax.random.key` gives, for
+  fresh seeds of every size and sign."""
+  from mdlm_jax.engine.engine import _request_key
+  rng = np.random.default_rng()
+  seeds = [0, 1, -1, 2 ** 31 - 1, -2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 63 - 1, -2 ** 63]
+  seeds += [int(rng.integers(-2 ** 63, 2 ** 63 - 1)) for _ in range(8)] + [int(rng.integers(0, 2 ** 31))]
+  with jax.enable_x64(x64):
+    for seed in seeds:
+      want = np.asarray(jax.random.key_data(jax.random.key(seed)))
+      got = _request_key(seed)
+      assert got.dtype == np.uint32 and got.tolist() == want.tolist(), f"seed {seed}"
