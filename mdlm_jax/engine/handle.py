@@ -33,7 +33,6 @@ class Handle:
     self._ended = threading.Event()
     self._done: Event | None = None
     self.cancelled = False
-    self.finished = False
     self.submitted = time.perf_counter()
     # Engine bookkeeping.
     self.slot: int | None = None
@@ -46,6 +45,11 @@ class Handle:
     self.prefilled = 0
     self.fixed_len = len(request.prompt_ids) + len(request.suffix_ids)
     self.key: np.ndarray | None = None
+
+  @property
+  def finished(self) -> bool:
+    """Its "done" event has been pushed."""
+    return self._ended.is_set()
 
   @property
   def prefilling(self) -> bool:
@@ -66,7 +70,7 @@ class Handle:
     with self._cond:
       self._events.append(ev)
       if ev.kind == "done":
-        self.finished, self._done = True, ev
+        self._done = ev
         self._ended.set()
       self._cond.notify_all()
       listeners = list(self._listeners) + (list(self._end_listeners) if ev.kind == "done" else [])
