@@ -60,28 +60,53 @@ inline __m512 Exp(__m512 x) {
 #endif
 
 #if defined(__AVX512F__)
-// o = sum_j p[j] * inv * values[j] over j < end, the row of W * 16 outputs
-// in registers (a width known at compile time: bounded at run time, the
-// accumulators went through memory).
-template <int W>
-void SumValues(const float* p, int64_t end, float inv, const float* values, float* o) {
-  __m512 acc[W];
+// o[i] = sum_j p[i][j] * inv[i] * values[j] over j < end for Q queries, their
+// rows of W * 16 outputs in registers (a width known at compile time: bounded
+// at run time, the accumulators went through memory). Each value row is read
+// once for the Q queries, and their Q * W sums are independent chains (one
+// query at a time, each of its W sums waited on the last fused multiply-add:
+// the values' sums were most of a decoding pass's attention). A slot whose
+// probabilities are all zero (masked, or past every query's end) is skipped;
+// p[i][j] is 0 past query i's own end.
+template <int W, int Q>
+void SumValues(const float* const* p, int64_t end, const float* inv, const float* values, float* const* o) {
+  __m512 acc[Q][W];
 #pragma GCC unroll 16
-  for (int c = 0; c < W; ++c) acc[c] = _mm512_setzero_ps();
+  for (int i = 0; i < Q; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < end; ++j) {
-    if (p[j] == 0.f) continue;
-    const __m512 w = _mm512_set1_ps(p[j] * inv);
-    const float* v = values + j * W * 16;
+    bool any = false;
 #pragma GCC unroll 16
-    for (int c = 0; c < W; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    for (int i = 0; i < Q; ++i) any |= p[i][j] != 0.f;
+    if (!any) continue;
+    const float* v = values + j * W * 16;
+    __m512 vc[W];
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c) vc[c] = _mm512_loadu_ps(v + 16 * c);
+#pragma GCC unroll 16
+    for (int i = 0; i < Q; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i][j] * inv[i]);
+#pragma GCC unroll 16
+      for (int c = 0; c < W; ++c) acc[i][c] = _mm512_fmadd_ps(w, vc[c], acc[i][c]);
+    }
   }
 #pragma GCC unroll 16
-  for (int c = 0; c < W; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+  for (int i = 0; i < Q; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
 }
 
-using SumValuesFn = void (*)(const float*, int64_t, float, const float*, float*);
-constexpr SumValuesFn kSumValues[kMaxWidth] = {SumValues<1>, SumValues<2>, SumValues<3>, SumValues<4>,
-                                               SumValues<5>, SumValues<6>, SumValues<7>, SumValues<8>};
+// Queries summed together at width W: as many as keep Q * W + W vectors in
+// the 32 registers, at most kQueries.
+constexpr int QueriesAtWidth(int w) { return w <= 4 ? 4 : 2; }
+using SumValuesFn = void (*)(const float* const*, int64_t, const float*, const float*, float* const*);
+constexpr SumValuesFn kSumValues[kMaxWidth] = {
+    SumValues<1, QueriesAtWidth(1)>, SumValues<2, QueriesAtWidth(2)>, SumValues<3, QueriesAtWidth(3)>,
+    SumValues<4, QueriesAtWidth(4)>, SumValues<5, QueriesAtWidth(5)>, SumValues<6, QueriesAtWidth(6)>,
+    SumValues<7, QueriesAtWidth(7)>, SumValues<8, QueriesAtWidth(8)>};
+static_assert(kQueries % QueriesAtWidth(1) == 0 && kQueries % QueriesAtWidth(8) == 0,
+              "query blocks split evenly into the sums' groups");
 #endif
 
 // Up to kQueries queries of one key/value head: `q` their rows (d floats
@@ -138,16 +163,40 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
     }
 #endif
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < nq; ++i) {
+  // Each query's probabilities (unnormalised; 0 past its end and on masked
+  // slots) and the reciprocal of their total, 0 for a query that reads nothing.
+  float inv[kQueries] = {0.f};
+  for (int64_t i = 0; i < kQueries; ++i) {
     float* row = scores.data() + i * reach;
+    if (i >= nq) {  // an absent query: probabilities of zero, never read back
+      std::fill(row, row + reach, 0.f);
+      continue;
+    }
     float top = kMasked;
-    for (j = 0; j < ends[i]; ++j) {
+    j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // Masked slots set to -inf and the largest score found, 16 slots an
+    // instruction (one at a time, this was a third of the attention's time).
+    __m512 tops = _mm512_set1_ps(kMasked);
+    const __m512 masked = _mm512_set1_ps(kMasked);
+    for (; j + 16 <= ends[i]; j += 16) {
+      const __mmask16 ok = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(valid + j)),
+                                              _mm_set1_epi8(1));
+      const __m512 v = _mm512_mask_blend_ps(ok, masked, _mm512_loadu_ps(row + j));
+      _mm512_storeu_ps(row + j, v);
+      tops = _mm512_max_ps(tops, v);
+    }
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; j < ends[i]; ++j) {
       if (!valid[j]) row[j] = kMasked;
       top = std::max(top, row[j]);
     }
-    float* o = out[i];
-    std::fill(o, o + d, 0.f);
-    if (top == kMasked) continue;  // nothing to read
+    std::fill(row + ends[i], row + reach, 0.f);
+    if (top == kMasked) {  // nothing to read
+      std::fill(row, row + ends[i], 0.f);
+      continue;
+    }
     float total = 0.f;
     j = 0;
 #if defined(__AVX512F__)
@@ -164,16 +213,29 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       row[j] = std::exp(row[j] - top);
       total += row[j];
     }
-    const float inv = 1.f / total;
+    inv[i] = 1.f / total;
+  }
 #if defined(__AVX512F__)
-    if (d % 16 == 0 && d <= 16 * kMaxWidth) {
-      kSumValues[d / 16 - 1](row, ends[i], inv, values, o);
-      continue;
+  if (d % 16 == 0 && d <= 16 * kMaxWidth) {
+    std::vector<float> sink(kQueries * d);  // outputs of absent queries
+    const float* ps[kQueries];
+    float* os[kQueries];
+    for (int64_t i = 0; i < kQueries; ++i) {
+      ps[i] = scores.data() + i * reach;
+      os[i] = i < nq ? out[i] : sink.data() + i * d;
     }
+    const int width = static_cast<int>(d / 16), group = QueriesAtWidth(width);
+    for (int64_t i = 0; i < kQueries; i += group) kSumValues[width - 1](ps + i, reach, inv + i, values, os + i);
+    return;
+  }
 #endif
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* row = scores.data() + i * reach;
+    float* o = out[i];
+    std::fill(o, o + d, 0.f);
     for (j = 0; j < ends[i]; ++j) {
       if (row[j] == 0.f) continue;
-      const float p = row[j] * inv;
+      const float p = row[j] * inv[i];
       const float* v = values + j * d;
       for (int64_t c = 0; c < d; ++c) o[c] += p * v[c];
     }

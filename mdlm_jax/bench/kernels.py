@@ -12,6 +12,9 @@ backend (on CPU, the one that runs from CHUNKED_FROM queries).
 rows, without adapters and with rank-16 adapters on half the rows (an
 adapted model's noisy rows): what a decoding pass spends in the int8 kernel;
 --int8-activations 8 times them with 8-bit token rows (the w8a8 decode dtype).
+--cache-attention-fill times the CPU attention kernel over a decoding pass's
+cache (SmolLM2-135M's 30 layers, 9 query and 3 key/value heads of 64, eight
+token rows, a 512-slot buffer) with that many slots filled.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ from mdlm_jax import kernels
 from mdlm_jax.bench import common
 
 MASKS = {"bidirectional": kernels.AttentionMask(), "causal": kernels.AttentionMask(kind="causal")}
+
+
+def _fastest_and_median_ms(fn, *args, repeats: int) -> dict:
+  """{"ms": fastest, "median_ms": median} of `repeats` warm calls."""
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return {"ms": 1e3 * min(times), "median_ms": 1e3 * float(np.median(times))}
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -199,16 +213,36 @@ def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SM
     stack = [{name: weight(*shape, adapted) for name, shape in SMOLLM2_LAYER.items()} for _ in range(layers)]
     for m in rows_list:
       x = jnp.asarray(rng.standard_normal((m, SMOLLM2_HEAD[1])), jnp.float32)
-      rows = jnp.arange(m) >= m // 2
-      jax.block_until_ready(chain(x, stack, head, rows))
-      times = []
-      for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(chain(x, stack, head, rows))
-        times.append(time.perf_counter() - t0)
-      best = min(times)
-      out[f"{'adapted' if adapted else 'plain'}_rows{m}"] = {
-          "ms": 1e3 * best, "median_ms": 1e3 * float(np.median(times)), "gmac_per_s": macs * m / best / 1e9}
+      timed = _fastest_and_median_ms(chain, x, stack, head, jnp.arange(m) >= m // 2, repeats=repeats)
+      out[f"{'adapted' if adapted else 'plain'}_rows{m}"] = {**timed, "gmac_per_s": macs * m / timed["ms"] / 1e6}
+  return out
+
+
+def time_cache_attention(fills, repeats: int, rows: int = 8, layers: int = SMOLLM2_LAYERS) -> dict:
+  """Milliseconds of the CPU cache-attention kernel for one pass of
+  SmolLM2-135M's shapes (fastest of `repeats` and the median) with each
+  count of filled slots: `rows` queries ending at the last filled slot, as a
+  revising pass's block reads the prompt and the answer so far."""
+  from mdlm_jax.kernels import cpu_attention
+  heads, groups, dim, slots = 9, 3, 64, 512
+  rng = np.random.default_rng(0)
+  keys = jnp.asarray(rng.standard_normal((layers, 1, groups, dim, slots)), jnp.float32)
+  values = jnp.asarray(rng.standard_normal((layers, 1, groups, slots, dim)), jnp.float32)
+
+  def chain(q, keys, values, mask):
+    for layer in range(layers):  # each layer's queries depend on the last's output, as in a pass
+      q = q + 1e-3 * cpu_attention.cpu_cache_attention(q, keys, values, layer, mask)
+    return q
+
+  chain = jax.jit(chain)
+  out = {"layers": layers, "rows": rows, "slots": slots}
+  for filled in fills:
+    if not rows <= filled <= slots:
+      raise ValueError(f"--cache-attention-fill: each count must be in [{rows}, {slots}], got {filled}")
+    q = jnp.asarray(rng.standard_normal((1, rows, heads, dim)), jnp.float32)
+    mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(filled - rows + 1 + np.arange(rows))[None],
+                                 kv_valid=jnp.asarray(np.arange(slots) < filled)[None])
+    out[f"filled{filled}"] = _fastest_and_median_ms(chain, q, keys, values, mask, repeats=repeats)
   return out
 
 
@@ -231,6 +265,9 @@ def main(argv):
   p.add_argument("--int8-layers", type=int, default=SMOLLM2_LAYERS, help="layers of those products (default: all 30)")
   p.add_argument("--int8-activations", type=int, choices=(8, 16), default=16,
                  help="bits those products round the token rows to: 16 (the int8 decode dtype) or 8 (w8a8)")
+  p.add_argument("--cache-attention-fill", default=None,
+                 help="also time the CPU attention kernel over a decoding pass's cache with these slots filled,"
+                      " e.g. 160,400 (CPU)")
   common.add_output_flags(p)
   a = p.parse_args(argv)
   lengths = common.positive_ints(p, "--lengths", a.lengths)
@@ -253,4 +290,10 @@ def main(argv):
     result["int8_products"] = time_int8_products(common.positive_ints(p, "--int8-rows", a.int8_rows),
                                                  max(a.repeats, 10), layers=a.int8_layers,
                                                  activation_bits=a.int8_activations)
+  if a.cache_attention_fill:
+    fills = common.positive_ints(p, "--cache-attention-fill", a.cache_attention_fill)
+    try:
+      result["cache_attention"] = time_cache_attention(fills, max(a.repeats, 50))
+    except ValueError as e:
+      p.error(str(e))
   common.emit(result, a)

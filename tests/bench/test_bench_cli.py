@@ -108,6 +108,16 @@ def test_bench_kernels_times_the_int8_products_at_each_row_count():
       assert row["gmac_per_s"] == pytest.approx(out["weights"] * m / row["ms"] / 1e6)
 
 
+def test_bench_kernels_times_the_cache_attention_at_each_fill_and_rejects_one_past_the_buffer():
+  from mdlm_jax.bench import kernels as bench_kernels
+  out = bench_kernels.time_cache_attention([8, 100], repeats=2, layers=2)
+  assert (out["layers"], out["rows"], out["slots"]) == (2, 8, 512)
+  for filled in (8, 100):
+    assert 0 < out[f"filled{filled}"]["ms"] <= out[f"filled{filled}"]["median_ms"]
+  with pytest.raises(ValueError, match="in \\[8, 512\\], got 513"):
+    bench_kernels.time_cache_attention([513], repeats=1, layers=1)
+
+
 def test_bench_longctx(tiny_checkpoints, tmp_path):
   out = _bench("longctx", f"--checkpoint={tiny_checkpoints['mdlm']}", "--lengths=256,1024", "--time-up-to=256",
                "--beside-length=200", "--prefill-chunks=0,64", "--short-requests=2", "--short-tokens=16",
