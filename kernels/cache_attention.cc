@@ -64,10 +64,10 @@ inline __m512 Exp(__m512 x) {
 // rows of W * 16 outputs in registers (a width known at compile time: bounded
 // at run time, the accumulators went through memory). Each value row is read
 // once for the Q queries, and their Q * W sums are independent chains (one
-// query at a time, each of its W sums waited on the last fused multiply-add:
-// the values' sums were most of a decoding pass's attention). A slot whose
-// probabilities are all zero (masked, or past every query's end) is skipped;
-// p[i][j] is 0 past query i's own end.
+// query at a time, each of its W sums waited on the last fused multiply-add;
+// the values' sums were about a third of the kernel's time, profiled). A slot
+// whose probabilities are all zero (masked, or past every query's end) is
+// skipped; p[i][j] is 0 past query i's own end.
 template <int W, int Q>
 void SumValues(const float* const* p, int64_t end, const float* inv, const float* values, float* const* o) {
   __m512 acc[Q][W];
@@ -176,7 +176,7 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
     j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     // Masked slots set to -inf and the largest score found, 16 slots an
-    // instruction (one at a time, this was a third of the attention's time).
+    // instruction (one at a time, each maximum waited on the last).
     __m512 tops = _mm512_set1_ps(kMasked);
     const __m512 masked = _mm512_set1_ps(kMasked);
     for (; j + 16 <= ends[i]; j += 16) {
