@@ -217,12 +217,12 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
   }
 #if defined(__AVX512F__)
   if (d % 16 == 0 && d <= 16 * kMaxWidth) {
-    std::vector<float> sink(kQueries * d);  // outputs of absent queries
+    float sink[kQueries * 16 * kMaxWidth];  // outputs of absent queries (no allocation a call)
     const float* ps[kQueries];
     float* os[kQueries];
     for (int64_t i = 0; i < kQueries; ++i) {
       ps[i] = scores.data() + i * reach;
-      os[i] = i < nq ? out[i] : sink.data() + i * d;
+      os[i] = i < nq ? out[i] : sink + i * d;
     }
     const int width = static_cast<int>(d / 16), group = QueriesAtWidth(width);
     for (int64_t i = 0; i < kQueries; i += group) kSumValues[width - 1](ps + i, reach, inv + i, values, os + i);

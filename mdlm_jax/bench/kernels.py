@@ -44,13 +44,8 @@ def _fastest_and_median_ms(fn, *args, repeats: int) -> dict:
 
 
 def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - t0)
-  return best
+  """Seconds of the fastest of `repeats` warm calls."""
+  return _fastest_and_median_ms(fn, *args, repeats=repeats)["ms"] / 1e3
 
 
 def _temp_bytes(fn, *args) -> int | None:
@@ -234,11 +229,12 @@ def time_cache_attention(fills, repeats: int, rows: int = 8, layers: int = SMOLL
       q = q + 1e-3 * cpu_attention.cpu_cache_attention(q, keys, values, layer, mask)
     return q
 
+  bad = [f for f in fills if not rows <= f <= slots]
+  if bad:  # before any compiles
+    raise ValueError(f"--cache-attention-fill: each count must be in [{rows}, {slots}], got {bad[0]}")
   chain = jax.jit(chain)
   out = {"layers": layers, "rows": rows, "slots": slots}
   for filled in fills:
-    if not rows <= filled <= slots:
-      raise ValueError(f"--cache-attention-fill: each count must be in [{rows}, {slots}], got {filled}")
     q = jnp.asarray(rng.standard_normal((1, rows, heads, dim)), jnp.float32)
     mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(filled - rows + 1 + np.arange(rows))[None],
                                  kv_valid=jnp.asarray(np.arange(slots) < filled)[None])
