@@ -136,6 +136,7 @@ class Engine:
     self._arriving = 0
     self.run_ahead = run_ahead
     self._view = None  # the last pass's `slots.published` array
+    self._guided_view = self._logprob_view = None  # and its guided and logprobs outputs, when it had them
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
     self.grammar_policy = grammar_policy
@@ -146,12 +147,15 @@ class Engine:
     self._few = slots_lib.compile_programs(few, self.sc)
     self._many = self._few if many is few else slots_lib.compile_programs(many, self.sc)
     self._min_rows = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+    # Held packed (`packing`): a pass's launch costs host time per buffer.
+    self._packing = self._few.packing
     state = slots_lib.init_slots(loaded.spec, self.sc)  # on this process's default device
     with self._mesh_context():
       if mesh is not None:  # each process places the rows of its own devices
-        state = jax.tree.map(lambda x: _place(np.asarray(x), _row_sharding(mesh, x, num_slots)), state)
+        state = tuple(_place(x, _row_sharding(mesh, x, num_slots))
+                      for x in self._packing.pack(jax.tree.map(np.asarray, state)))
       else:  # placed as every later state is (the programs' outputs): each program compiles once, not twice
-        state = jax.device_put(state, _replicated_like(jax.tree.leaves(few.params)[0].sharding))
+        state = jax.device_put(self._packing.pack(state), _replicated_like(jax.tree.leaves(few.params)[0].sharding))
       self._state = state
       if self.draft_table is not None:  # placed once, whole on every device: no copy a pass
         whole = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
@@ -295,12 +299,13 @@ class Engine:
   @property
   def cache_buffer_bytes(self) -> int:
     """The bytes the slots' key and value buffers hold (`kv_cache_bytes` is the promise)."""
-    return self._state.cache.k.nbytes + self._state.cache.v.nbytes
+    return sum(self._packing.own_buffer(self._state, name).nbytes for name in ("cache.k", "cache.v"))
 
   @property
   def cache_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the slots' key and value buffers."""
-    return tuple(self._state.cache.k.shape), tuple(self._state.cache.v.shape)
+    k, v = (self._packing.own_buffer(self._state, name) for name in ("cache.k", "cache.v"))
+    return tuple(k.shape), tuple(v.shape)
 
   def pass_hlo(self, slots: int, with_head: bool, guided: bool = False) -> str:
     """The optimised HLO of the pass over `slots` slots, for inspection (what
@@ -679,20 +684,15 @@ class Engine:
     programs = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
     self._signatures["passes"].add((id(programs.model), rows, with_head, logprobs, guided, revising))
-    self._state, self._view = programs.step(programs.leaves, self._state, ops, self.draft_table if revising else None,
-                                   rows=rows, with_head=with_head,
-                                   logprobs=logprobs, revising=revising)
+    self._state, self._view, self._guided_view, self._logprob_view = programs.step(
+        programs.leaves, self._state, ops, self.draft_table if revising else None, rows=rows, with_head=with_head,
+        logprobs=logprobs, revising=revising)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:
       mask = np.zeros(self.num_slots, bool)
       mask[list(rows)] = True
-      # A freed row's fill point goes back to 0: its idle passes then read
-      # nothing, and attention's span (`kernels.read_spans`) follows the
-      # requests still decoding, not the longest that ever held a slot.
-      cache = self._state.cache
-      self._state = self._state.replace(active=_clear_rows(self._state.active, mask),
-                                        cache=cache.replace(length=_zero_rows(cache.length, mask)))
+      self._state = self._few.release(self._state, mask)
 
   def _gather(self, view, guided: bool = False, logprobs: bool = False):
     """Host copies of what a publish reads (`view`: a pass's `slots.published`
@@ -702,13 +702,12 @@ class Engine:
     `Handle.logprob_entries` to read the rows it needs; with several,
     gathered (a collective every process runs alike). Guided and logprobs
     passes are gathered before the next pass runs."""
-    s = self._state
     arrays = (view,)
     if guided:
-      arrays += (s.proposal, s.picked, s.proposed)
+      arrays += tuple(self._guided_view)
     single = jax.process_count() == 1
     if logprobs and not single:
-      arrays += (s.logp, s.top_ids, s.top_logp)
+      arrays += tuple(self._logprob_view)
     t0 = time.perf_counter()
     if single:
       out = jax.device_get(arrays)
@@ -718,7 +717,7 @@ class Engine:
     self._waited = time.perf_counter() - t0
     if guided:
       self._guided_view = tuple(out[1:4])
-    lp = ((s.logp, s.top_ids, s.top_logp) if single else tuple(out[-3:])) if logprobs else None
+    lp = (tuple(self._logprob_view) if single else tuple(out[-3:])) if logprobs else None
     return Snapshot.of_slots(*slots_lib.unpack_published(out[0], self.sc), block_size=self.sc.block_size,
                              mask_id=self.sc.mask_id, logprobs=lp)
 
@@ -803,15 +802,6 @@ def _row_sharding(mesh, x: Any, num_slots: int):
   if x.ndim >= 1 and x.shape[0] == num_slots:
     return NamedSharding(mesh, P(batch))
   return NamedSharding(mesh, P())
-
-
-@jax.jit
-def _clear_rows(active, mask):
-  return active & ~mask
-
-
-def _zero_rows(length, mask):
-  return jax.numpy.where(mask, 0, length)
 
 
 def _replicated_like(sharding):

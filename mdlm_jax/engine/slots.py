@@ -29,6 +29,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from mdlm_jax import kernels
+from mdlm_jax.engine import packing as packing_lib
 from mdlm_jax.model.spec import ModelSpec, bind
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling import grammar, rule
@@ -496,23 +497,36 @@ def unpack_published(rows: np.ndarray, sc: SlotConfig) -> tuple[np.ndarray, ...]
 
 
 class Programs(NamedTuple):
-  """A model's jitted admit and pass, and its weights as the flat list of
-  leaves they take (`compile_programs`)."""
+  """A model's jitted admit, pass and release over the packed slot state
+  (`packing`), and its weights as the flat list of leaves they take
+  (`compile_programs`)."""
   model: Any
   leaves: list
+  packing: packing_lib.Packing
   admit: Callable
   step: Callable
+  release: Callable
+
+
+def state_packing(spec: ModelSpec, sc: SlotConfig) -> packing_lib.Packing:
+  """How the engine holds `Slots` between programs: the cache's keys and
+  values whole, the rest packed (`packing`)."""
+  shapes = jax.eval_shape(lambda: init_slots(spec, sc))
+  return packing_lib.Packing.of(shapes, sc.num_slots, keep_whole=lambda name: name in ("cache.k", "cache.v"))
 
 
 def compile_programs(loaded, sc: SlotConfig) -> Programs:
-  """(admit, pass) jitted, with the slot state donated so it is updated in
-  place. pass(leaves, state, guides, table, rows=k, with_head=h, logprobs=l, revising=r)
-  compiles once per (k, h, l, r) and whether `guides` and `table` are None:
-  given (the operands of `guide`), the host's commits for the constrained
-  rows land first, in the same program, and the pass runs guided; `table`
-  (a `DraftTable`) drafts for revising rows with `lookup`. It returns the new
-  state and `published(state)`, buffers of their own: the host can read a
-  pass's results after handing its state to the next pass.
+  """(admit, pass, release) jitted over the packed slot state (`state_packing`),
+  donated so it is updated in place. pass(leaves, state, guides, table, rows=k,
+  with_head=h, logprobs=l, revising=r) compiles once per (k, h, l, r) and
+  whether `guides` and `table` are None: given (the operands of `guide`), the
+  host's commits for the constrained rows land first, in the same program, and
+  the pass runs guided; `table` (a `DraftTable`) drafts for revising rows with
+  `lookup`. It returns the new state, `published(state)`, after a guided pass
+  the rows' (proposal, picked, proposed) and after a logprobs pass their
+  (logp, top_ids, top_logp) (else None), all buffers of their own: the host
+  can read a pass's results after handing its state to the next pass.
+  release(state, mask) ends the requests of the rows `mask` marks.
 
   Both take the weights as `Programs.leaves`, a flat list of distinct
   arrays: jit's dispatch flattens a nested dict of an imported model's
@@ -524,19 +538,32 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
   slot = {}
   index = [slot.setdefault(id(x), len(slot)) for x in every]
   leaves = list({id(x): x for x in every}.values())
+  packing = state_packing(spec, sc)
 
   def params_of(leaves):
     return jax.tree.unflatten(tree, [leaves[i] for i in index])
 
   def admit_flat(leaves, state, *args, **kwargs):
-    return admit(spec, sc, params_of(leaves), state, *args, **kwargs)
+    return packing.pack(admit(spec, sc, params_of(leaves), packing.unpack(state), *args, **kwargs))
 
   def run(leaves, state, guides, table, rows, with_head=True, logprobs=False, revising=False):
     params = params_of(leaves)
+    state = packing.unpack(state)
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
     state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising, table)
-    return state, published(state)
+    guided_view = (state.proposal, state.picked, state.proposed) if guides is not None else None
+    logprob_view = (state.logp, state.top_ids, state.top_logp) if logprobs else None
+    return packing.pack(state), published(state), guided_view, logprob_view
 
-  return Programs(loaded, leaves, jax.jit(admit_flat, donate_argnums=(1,), static_argnames=("resume",)),
-                  jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising")))
+  def release(state, mask):
+    # A freed row's fill point goes back to 0: its idle passes then read
+    # nothing, and attention's span (`kernels.read_spans`) follows the
+    # requests still decoding, not the longest that ever held a slot.
+    s = packing.unpack(state)
+    s = s.replace(active=s.active & ~mask, cache=s.cache.replace(length=jnp.where(mask, 0, s.cache.length)))
+    return packing.pack(s)
+
+  return Programs(loaded, leaves, packing, jax.jit(admit_flat, donate_argnums=(1,), static_argnames=("resume",)),
+                  jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising")),
+                  jax.jit(release, donate_argnums=(0,)))
