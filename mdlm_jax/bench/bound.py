@@ -36,19 +36,17 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 def weight_bytes(params, cfg) -> int:
   """Bytes of weights one pass reads: every array of the model, but an
   untied token embedding, of which a pass gathers only its tokens' rows
-  (a tied one is the output head too, read whole), adapters' own params
-  where int8 weights carry them joined (a pass reads those copies), and of
-  an int8 weight the layout its product reads (the kernel's tiles where it
-  has them, not also `q`). An array several leaves share (a stack of
-  every layer's, `model.stacked`) counts once."""
+  (a tied one is the output head too, read whole), and of an int8 weight
+  the layout its product reads (the kernel's tiles where it has them, not
+  also `q`; its joined adapters, where it carries them). An array several
+  leaves share (a stack of every layer's, `model.stacked`) counts once."""
   from mdlm_jax import kernels
   is_q = lambda x: isinstance(x, kernels.QuantizedWeight)  # noqa: E731
-  joined = any(is_q(x) and x.adapters is not None for x in jax.tree.leaves(params, is_leaf=is_q))
   nbytes = lambda x: int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
   read = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]:
     name = jax.tree_util.keystr(path)
-    if (not cfg.tie_embeddings and "embedding" in name) or (joined and "lora_" in name):
+    if not cfg.tie_embeddings and "embedding" in name:
       continue
     arrays = ([leaf.q if leaf.tiles is None else leaf.tiles, leaf.scale, *jax.tree.leaves(leaf.adapters)]
               if is_q(leaf) else [leaf])

@@ -136,8 +136,13 @@ def with_int8_weights(loaded: Any, activation_bits: int = 16) -> Any:
   if isinstance(first, jax.sharding.NamedSharding) and first.mesh.size > 1:
     raise ValueError("int8 decoding weights are for one device; this model is sharded over"
                      f" {first.mesh.size} devices")
-  params = jax.jit(int8_quantizer(loaded.params, loaded.spec.cfg, activation_bits))(loaded.params)
-  return dataclasses.replace(loaded, params=stack_blocks(params))
+  cfg = loaded.spec.cfg
+  params = jax.jit(int8_quantizer(loaded.params, cfg, activation_bits))(loaded.params)
+  spec = loaded.spec
+  if cfg.lora_rank:  # the adapters now live in the int8 weights
+    spec = model_spec(dataclasses.replace(cfg, adapters_joined=True),
+                      first.mesh if isinstance(first, jax.sharding.NamedSharding) else None)
+  return dataclasses.replace(loaded, spec=spec, params=stack_blocks(params))
 
 
 def int8_quantizer(params: Any, cfg: ModelConfig, activation_bits: int):

@@ -58,6 +58,10 @@ class ModelConfig:
   # stays the frozen base's computation (0: none).
   lora_rank: int = 0
   lora_alpha: float = 16.0
+  # An int8 decoding copy whose adapters are joined into its weights
+  # (`quantize_for_decoding`): its layers hold no adapters of their own, so a
+  # pass is not handed the float copies it would never read.
+  adapters_joined: bool = False
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling = RopeScaling()
   norm_eps: float = 1e-6
@@ -286,8 +290,8 @@ class Transformer(nnx.Module):
 
 
 def _lora(cfg: ModelConfig):
-  """(rank, scale) of the model's adapters, or None."""
-  return (cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank) if cfg.lora_rank > 0 else None
+  """(rank, scale) of the layers' own adapters, or None."""
+  return (cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank) if cfg.lora_rank > 0 and not cfg.adapters_joined else None
 
 
 def shift_right(hidden: Float[Array, "b l d"]) -> Float[Array, "b l d"]:
@@ -370,8 +374,9 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int =
   as they are. A pass at batch 1 reads a quarter of the bytes. A model's
   low-rank adapters are also joined into the weights they adapt
   (`kernels.join_adapters`: q, k and v's into the joined q/k/v weight, gate
-  and up's into theirs), so that each product applies them in the same call;
-  the adapters' own params stay for the float32 copy. Each weight is held
+  and up's into theirs), so that each product applies them in the same call,
+  and their own params are dropped (the float32 copy keeps them; the copy's
+  config says `adapters_joined`). Each weight is held
   once, in the layout its use reads: the CPU kernel's tiles for a product,
   rows for the embedding's gather (a tied table, the head too, holds both).
   `activation_bits`: what the products round token rows to (16, or 8 in
@@ -384,7 +389,7 @@ def quantize_for_decoding(params: dict, cfg: ModelConfig, activation_bits: int =
 
   def quantized(w, out_dims, group, names):
     qw = kernels.quantize(w, out_dims=out_dims, activation_bits=activation_bits).without_rows()
-    loras = [group[n] for n in names if n in group]
+    loras = [group.pop(n) for n in names if n in group]
     joined = [(a["a"], a["b"]) for a in loras]
     return qw.replace(adapters=kernels.join_adapters(joined, scale, adapter_dtype)) if loras else qw
 

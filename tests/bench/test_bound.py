@@ -43,9 +43,9 @@ def test_read_bandwidth_is_a_memory_speed():
 
 
 def test_adapters_joined_into_int8_weights_are_counted_once(tiny_checkpoints):
-  """An adapted model's int8 copy holds its adapters twice (their own params
-  for the float32 copy, and joined into the weights) and each weight twice
-  (`q` and the kernel's tiles): a pass reads the joined adapters and the tiles."""
+  """An adapted model's int8 copy holds its adapters joined into the weights
+  only (the float32 copy keeps their own params) and each weight twice (`q`
+  and the kernel's tiles): a pass reads the joined adapters and the tiles."""
   from mdlm_jax import checkpoints, kernels
   from mdlm_jax.model.spec import for_decoding
   from tests.conftest import adapted_from
@@ -59,11 +59,11 @@ def test_adapters_joined_into_int8_weights_are_counted_once(tiny_checkpoints):
   assert any(x.adapters is not None for x in quantized)
   loras = nbytes([v for blk in q.params["blocks"].values() for part in blk.values() if isinstance(part, dict)
                   for k, v in part.items() if k.startswith("lora_")])
-  assert loras > 0
+  assert loras == 0
   untied = 0 if cfg.tie_embeddings else nbytes(q.params["embedding"])
   assert all(x.tiles is not None for x in quantized)
   rows = nbytes([x.q for x in quantized if not (not cfg.tie_embeddings and x is q.params["embedding"])])
-  assert bound.weight_bytes(q.params, cfg) == nbytes(q.params) - loras - untied - rows
+  assert bound.weight_bytes(q.params, cfg) == nbytes(q.params) - untied - rows
   # the float32 model reads its adapters' own params
   assert bound.weight_bytes(adapted.params, cfg) == nbytes(adapted.params) - (
       0 if cfg.tie_embeddings else nbytes(adapted.params["embedding"]))

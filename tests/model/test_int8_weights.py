@@ -13,7 +13,7 @@ import pytest
 from mdlm_jax import checkpoints, kernels
 from mdlm_jax.checkpoints import packaged
 from mdlm_jax.kernels import int8
-from mdlm_jax.model.spec import bind, for_decoding
+from mdlm_jax.model.spec import bind, for_decoding, model_spec
 from mdlm_jax.sampling.generate import ARGenerator, Generator
 from mdlm_jax.sampling.presets import adapt_to_model, sampler_for
 
@@ -134,16 +134,24 @@ def test_adapters_joined_into_int8_weights_act_on_the_noisy_rows_as_separate_one
   block = q.params["blocks"][0]
   wqkv, w_in = block["attn"]["wqkv"].one_layer(), block["mlp"]["w_in"].one_layer()
   assert wqkv.adapters.ends.shape == (3,) and w_in.adapters.ends.shape == (2,)
-  apart = dict(q.params, blocks={i: jax.tree.map(
-      lambda x: x.replace(adapters=None) if isinstance(x, kernels.QuantizedWeight) else x, blk,
-      is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight)) for i, blk in q.params["blocks"].items()})
+  # The copy holds no float adapters of its own; its layers have none.
+  assert q.spec.cfg.adapters_joined and not any("lora_" in jax.tree_util.keystr(path)
+                                                for path, _ in jax.tree_util.tree_flatten_with_path(q.params)[0])
+  # The same int8 weights without the joined adapters, beside the adapters' own float params.
+  floats = for_decoding(adapted, layout="out_in").params
+  separate = model_spec(dataclasses.replace(q.spec.cfg, adapters_joined=False), None)
+  apart = dict(q.params, blocks={i: {part: dict(jax.tree.map(
+      lambda x: x.replace(adapters=None) if isinstance(x, kernels.QuantizedWeight) else x, blk[part],
+      is_leaf=lambda x: isinstance(x, kernels.QuantizedWeight)),
+      **{n: v for n, v in floats["blocks"][i][part].items() if n.startswith("lora_")})
+      if isinstance(blk[part], dict) else blk[part] for part in blk} for i, blk in q.params["blocks"].items()})
   tokens = np.random.default_rng().integers(0, adapted.spec.cfg.vocab_size, size=(1, 8)).astype(np.int32)
   logits = functools.partial(block_pass_logits, q.spec, tokens=tokens)
   got = logits(q.params)
   # Float32 differences in the order of the sums flip the odd int16 rounding of
   # a later layer's rows (2^-16 of a row's largest magnitude each): hence 1e-3.
   tol = 1e-3 * np.abs(got).max()
-  np.testing.assert_allclose(got, logits(apart), rtol=0, atol=tol)
+  np.testing.assert_allclose(got, block_pass_logits(separate, apart, tokens), rtol=0, atol=tol)
   with monkeypatch.context() as m:
     m.setattr(int8, "native_kernel_ready", lambda: False)
     np.testing.assert_allclose(got, logits(q.params), rtol=0, atol=tol)
