@@ -136,7 +136,8 @@ class Engine:
     self._arriving = 0
     self.run_ahead = run_ahead
     self._view = None  # the last pass's `slots.published` array
-    self._guided_view = self._logprob_view = None  # and its guided and logprobs outputs, when it had them
+    # and, on the device, what a guided or logprobs pass also returned (else None)
+    self._guided_out = self._logprob_out = None
     if grammar_policy not in grammar_lib.ACCEPT_POLICIES:
       raise ValueError(f"grammar_policy must be one of {grammar_lib.ACCEPT_POLICIES}, got {grammar_policy!r}")
     self.grammar_policy = grammar_policy
@@ -684,7 +685,7 @@ class Engine:
     programs = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
     ops = self._guide_arrays(guides) if guided else None
     self._signatures["passes"].add((id(programs.model), rows, with_head, logprobs, guided, revising))
-    self._state, self._view, self._guided_view, self._logprob_view = programs.step(
+    self._state, self._view, self._guided_out, self._logprob_out = programs.step(
         programs.leaves, self._state, ops, self.draft_table if revising else None, rows=rows, with_head=with_head,
         logprobs=logprobs, revising=revising)
 
@@ -704,10 +705,10 @@ class Engine:
     passes are gathered before the next pass runs."""
     arrays = (view,)
     if guided:
-      arrays += tuple(self._guided_view)
+      arrays += tuple(self._guided_out)
     single = jax.process_count() == 1
     if logprobs and not single:
-      arrays += tuple(self._logprob_view)
+      arrays += tuple(self._logprob_out)
     t0 = time.perf_counter()
     if single:
       out = jax.device_get(arrays)
@@ -717,7 +718,7 @@ class Engine:
     self._waited = time.perf_counter() - t0
     if guided:
       self._guided_view = tuple(out[1:4])
-    lp = (tuple(self._logprob_view) if single else tuple(out[-3:])) if logprobs else None
+    lp = (tuple(self._logprob_out) if single else tuple(out[-3:])) if logprobs else None
     return Snapshot.of_slots(*slots_lib.unpack_published(out[0], self.sc), block_size=self.sc.block_size,
                              mask_id=self.sc.mask_id, logprobs=lp)
 
