@@ -37,6 +37,7 @@ class Handle:
     # Engine bookkeeping.
     self.slot: int | None = None
     self.emitted = ""
+    self.detokenizer = None  # its text so far, decoded a window a pass (`IncrementalText`)
     self.kept_seen = -1  # tokens kept in order (finished blocks' or verified) at the last publish
     self.constraint: grammar_lib.Constraint | None = None
     self.logprobs_sent = 0  # tokens whose log-probabilities went out

@@ -17,6 +17,7 @@ import numpy as np
 
 from mdlm_jax.engine.handle import Handle
 from mdlm_jax.engine.requests import Event
+from mdlm_jax.sampling.detokenize import IncrementalText
 from mdlm_jax.sampling.finish import finish, tokens_for_text
 from mdlm_jax.sampling.generate import draft_text
 
@@ -58,7 +59,9 @@ def events_for(h: Handle, row: int, snap: Snapshot, tok, block_size: int) -> tup
   h.kept_seen = kept
   r, out = h.request, []
   ids = snap.gen[row, :r.max_tokens]
-  end = finish(tok, ids[:kept], max_tokens=r.max_tokens, stop=r.stop, final=not active)
+  if h.detokenizer is None:
+    h.detokenizer = IncrementalText(tok)
+  end = finish(tok, ids[:kept], max_tokens=r.max_tokens, stop=r.stop, final=not active, text_of=h.detokenizer.text)
   text, done = end.text, end.done
   passes = int(snap.passes[row])
   if h.want_drafts:

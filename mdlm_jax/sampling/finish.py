@@ -9,7 +9,7 @@ engine): the text runs up to the first EOS, the first stop string or
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,15 +48,17 @@ def tokens_for_text(tok, ids: Sequence[int], n_chars: int) -> int:
   return lo
 
 
-def finish(tok, ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (), final: bool = True) -> Finished:
+def finish(tok, ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = (), final: bool = True,
+           text_of: Callable[[Sequence[int]], str] | None = None) -> Finished:
   """The generation so far, `ids` (committed tokens in order, no masks), cut
   by the rule above. `final`: the decoder will add nothing more, so a
-  generation that met no EOS or stop string ended by length."""
-  ids = np.asarray(ids, np.int64).reshape(-1)[:max_tokens].tolist()
-  eos = ids.index(tok.eos_id) if tok.eos_id in ids else -1
-  if eos >= 0:
-    ids = ids[:eos]
-  text = tok.decode(ids)
+  generation that met no EOS or stop string ended by length. `text_of`: what
+  decodes `ids` (default `tok.decode`; a stream's `IncrementalText.text`)."""
+  arr = np.asarray(ids, np.int64).reshape(-1)[:max_tokens]
+  at_eos = np.flatnonzero(arr == tok.eos_id)
+  eos = int(at_eos[0]) if at_eos.size else -1
+  ids = (arr[:eos] if eos >= 0 else arr).tolist()
+  text = (text_of or tok.decode)(ids)
   cut = first_stop(text, stop)
   if cut >= 0:
     return Finished(text[:cut], ids[:tokens_for_text(tok, ids, cut)], "stop")

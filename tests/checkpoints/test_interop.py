@@ -291,15 +291,9 @@ HF_ROWS = 320  # embedding rows past the tokenizer's own ids, as the releases pa
 @pytest.fixture(scope="module")
 def hf_json():
   """A tiny byte-level BPE tokenizer.json, trained here in milliseconds."""
-  tokenizers = pytest.importorskip("tokenizers")
-  from tokenizers import decoders, models, pre_tokenizers, trainers
-  tk = tokenizers.Tokenizer(models.BPE())
-  tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tk.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=HF_SPECIALS, show_progress=False,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tk.train_from_iterator(HF_TEXTS * 4, trainer)
-  return tk.to_str()
+  pytest.importorskip("tokenizers")
+  from tests.byte_bpe import byte_level_bpe_json
+  return byte_level_bpe_json(HF_TEXTS * 4, 300, HF_SPECIALS)
 
 
 @pytest.fixture(scope="module")
