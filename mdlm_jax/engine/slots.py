@@ -19,6 +19,7 @@ tokens do not depend on which slot it got or who else is decoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -518,8 +519,9 @@ def state_packing(spec: ModelSpec, sc: SlotConfig) -> packing_lib.Packing:
 def compile_programs(loaded, sc: SlotConfig) -> Programs:
   """(admit, pass, release) jitted over the packed slot state (`state_packing`),
   donated so it is updated in place. pass(leaves, state, guides, table, rows=k,
-  with_head=h, logprobs=l, revising=r) compiles once per (k, h, l, r) and
-  whether `guides` and `table` are None: given (the operands of `guide`), the
+  with_head=h, logprobs=l, revising=r, passes=p) compiles once per (k, h, l, r,
+  p) and whether `guides` and `table` are None; it runs up to `passes` passes
+  in one launch, ending after the first pass in which a row ended: given (the operands of `guide`), the
   host's commits for the constrained rows land first, in the same program, and
   the pass runs guided; `table` (a `DraftTable`) drafts for revising rows with
   `lookup`. It returns the new state, `published(state)`, after a guided pass
@@ -546,12 +548,18 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
   def admit_flat(leaves, state, *args, **kwargs):
     return packing.pack(admit(spec, sc, params_of(leaves), packing.unpack(state), *args, **kwargs))
 
-  def run(leaves, state, guides, table, rows, with_head=True, logprobs=False, revising=False):
+  def run(leaves, state, guides, table, rows, with_head=True, logprobs=False, revising=False, passes=1):
     params = params_of(leaves)
     state = packing.unpack(state)
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
-    state = step_first(spec, sc, rows, params, state, with_head, guides is not None, logprobs, revising, table)
+    one = functools.partial(step_first, spec, sc, rows, params, with_head=with_head, guided=guides is not None,
+                            logprobs=logprobs, revising=revising, table=table)
+    state = one(state)
+    if passes > 1:  # more passes until one of the rows ends (its slot is then free for the host to refill)
+      decoding = jnp.sum(state.active[:rows])
+      go_on = lambda c: (c[0] < passes) & (decoding > 0) & (jnp.sum(c[1].active[:rows]) == decoding)  # noqa: E731
+      _, state = lax.while_loop(go_on, lambda c: (c[0] + 1, one(c[1])), (jnp.int32(1), state))
     guided_view = (state.proposal, state.picked, state.proposed) if guides is not None else None
     logprob_view = (state.logp, state.top_ids, state.top_logp) if logprobs else None
     return packing.pack(state), published(state), guided_view, logprob_view
@@ -565,5 +573,5 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
     return packing.pack(s)
 
   return Programs(loaded, leaves, packing, jax.jit(admit_flat, donate_argnums=(1,), static_argnames=("resume",)),
-                  jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising")),
+                  jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising", "passes")),
                   jax.jit(release, donate_argnums=(0,)))

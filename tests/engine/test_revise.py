@@ -86,6 +86,54 @@ def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
   assert h.result(timeout=300).text == want.text
 
 
+def test_revising_passes_run_several_a_launch_and_a_stop_string_still_ends_the_text(models, engine):
+  """The engine's default: a revising request alone rides several passes a launch (its text is the base's,
+  its passes the generator's: the tests above); a stop string found a launch late still cuts the text."""
+  ar, _ = models
+  n = 14
+  base = ARGenerator(ar).generate([PROMPTS[0]], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  text = base.completions[0].text
+  revising = engine.sampler_for("medium", revise=True, temperature=0.0)
+  launches = engine.stats["steps"]
+  got = engine.submit(Request(engine.encode(PROMPTS[0]), n, revising, seed=0)).result(timeout=300)
+  assert got.text == text and engine.stats["steps"] - launches < got.passes
+  stop = text[len(text) // 2:][:2]
+  cut = engine.submit(Request(engine.encode(PROMPTS[0]), n, revising, seed=0, stop=[stop])).result(timeout=300)
+  assert (cut.text, cut.finish_reason) == (text[:text.index(stop)], "stop")
+
+
+@pytest.mark.slow  # two engines compile (CI: the one above)
+def test_passes_in_one_launch_write_what_a_launch_a_pass_writes(models):
+  """Several revising passes a launch: the same text, the same passes a request and the same end (a stop
+  string too, found up to a launch late), in fewer launches; a block-decoding request gets a launch a pass."""
+  _, adapted = models
+  got = {}
+  for k in (1, 3):
+    e = Engine(adapted, num_slots=2, max_prompt=32, max_new_tokens=16, passes_per_turn=k).start()
+    try:
+      revising = e.sampler_for("medium", revise=True, temperature=0.0)
+      first = e.submit(Request(e.encode(PROMPTS[0]), 16, revising, seed=0)).result(timeout=300)
+      stop = first.text[len(first.text) // 2:][:2]
+      hs = [e.submit(Request(e.encode(p), 16, revising, seed=0, stop=s)) for p, s in zip(PROMPTS, [[stop], []])]
+      results = [first] + [h.result(timeout=300) for h in hs]
+      launches = e.stats["steps"]
+      block = e.submit(Request(e.encode(PROMPTS[1]), 8, e.sampler_for("medium", revise=False, temperature=0.0), seed=0))
+      block_passes = block.result(timeout=300).passes
+      block_launches = e.stats["steps"] - launches
+    finally:
+      e.close(deadline_s=1)
+    got[k] = [(r.text, r.passes, r.finish_reason) for r in results], launches, block_passes, block_launches
+  # The same text and end; the same passes, but for the request a stop string ended (it may ride more).
+  assert [r[::2] for r in got[3][0]] == [r[::2] for r in got[1][0]]
+  assert [got[k][0][i][1] for k in (1, 3) for i in (0, 2)] == [got[1][0][0][1], got[1][0][2][1]] * 2
+  assert got[3][0][1][2] == "stop" and stop not in got[3][0][1][0]
+  assert got[1][1] >= got[1][0][0][1] + max(got[1][0][1][1], got[1][0][2][1])  # a launch a pass
+  assert got[3][1] < got[1][1]
+  with pytest.raises(ValueError, match="passes_per_turn"):
+    Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=16, passes_per_turn=0)
+  assert got[3][3] >= got[3][2]  # block decoding: every pass launched by itself
+
+
 @pytest.mark.parametrize("chunk", [0, pytest.param(16, marks=pytest.mark.slow)])
 def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
   """With lookup the engine copies from the prompt it was given (whole or in chunks) and the text so far,
@@ -133,7 +181,7 @@ def test_warmup_compiles_the_revising_pass(models):
   import jax.monitoring
   _, adapted = models
   e = Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=8).warmup()
-  assert e.compiled()["passes"] == 3  # one slot: with a head, without, revising
+  assert e.compiled()["passes"] == 4  # one slot: with a head, without, revising, revising passes_per_turn at once
   compiles = []
   listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
   jax.monitoring.register_event_duration_secs_listener(listener)

@@ -407,12 +407,14 @@ def test_engine_flags_reach_the_engine(tiny_checkpoints):
     assert engine.loaded.spec.cfg.weight_layout == layout
     assert engine.grammar_policy == "bridge"
   engine, _ = serve.build(serve.parse([f"--checkpoint={tiny_checkpoints['mdlm']}", "--slots=2", "--max-tokens=16",
-                                       "--grammar-policy=valid", "--admit-batch=8", "--prefill-chunk=64"]))
+                                       "--grammar-policy=valid", "--admit-batch=8", "--prefill-chunk=64",
+                                       "--passes-per-turn=3"]))
   assert engine.grammar_policy == "valid"
   assert engine.admit_batch == 2  # no more than the slots
   assert engine.prefill_chunk == 64
+  assert engine.passes_per_turn == 3
   for bad in ("--weight-layout=rows", "--admit-batch=0", "--max-context=0", "--kv-cache-memory=lots",
-              "--slots=2 --kv-cache-memory=1GiB", "--prefill-chunk=8", "--prefill-chunk=-1"):
+              "--slots=2 --kv-cache-memory=1GiB", "--prefill-chunk=8", "--prefill-chunk=-1", "--passes-per-turn=0"):
     with pytest.raises(SystemExit):
       serve.parse(bad.split())
 
