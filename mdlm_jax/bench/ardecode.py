@@ -111,7 +111,38 @@ def transformers_generate(path: str, prompts, new_tokens: int, repeats: int, thr
   return {"seconds": _best(run, repeats), "version": transformers.__version__, "torch_threads": threads}
 
 
+def in_child(fn, *args):
+  """fn(*args) in a fresh (spawned) process: its result, or an error naming how the
+  process ended. A llama.cpp build can crash on a CPU feature the machine's kernel
+  does not enable (a segmentation fault in the first evaluation); that is then this
+  runtime's error row, not the end of the benchmark and its other rows."""
+  import multiprocessing
+  import queue
+  ctx = multiprocessing.get_context("spawn")
+  out = ctx.Queue()
+  proc = ctx.Process(target=_put_result, args=(out, fn, args), daemon=True)
+  proc.start()
+  while True:
+    try:
+      result = out.get(timeout=1.0)
+      proc.join()
+      return result
+    except queue.Empty:
+      if not proc.is_alive():
+        proc.join()
+        return {"error": f"crashed: its process ended with exit code {proc.exitcode} before returning"}
+
+
+def _put_result(out, fn, args) -> None:
+  out.put(fn(*args))
+
+
 def llama_cpp_generate(path: str, prompt: str, new_tokens: int, repeats: int, threads: int) -> dict:
+  """llama.cpp's greedy decoding timed (in a process of its own: `in_child`)."""
+  return in_child(_llama_cpp_generate, path, prompt, new_tokens, repeats, threads)
+
+
+def _llama_cpp_generate(path: str, prompt: str, new_tokens: int, repeats: int, threads: int) -> dict:
   try:
     import llama_cpp
   except ImportError:

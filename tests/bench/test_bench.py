@@ -195,3 +195,14 @@ def test_the_memory_bound_shape_runs_end_to_end():
     assert out[name]["forward_passes"] * 4 <= out[name]["tokens"] + 8
     assert out[name]["speedup_vs_ar"] > 0
   assert out["ar"]["tokens"] == 8
+
+
+def test_a_runtime_run_in_a_child_returns_its_result_or_names_its_crash():
+  """llama.cpp runs in a process of its own: a crash (here SIGABRT) is its row's error, not the benchmark's end."""
+  import math
+  import os
+  from mdlm_jax.bench.ardecode import in_child
+  x = float(np.random.default_rng().uniform(1, 100))
+  assert in_child(math.sqrt, x) == math.sqrt(x)
+  got = in_child(os.abort)
+  assert "crashed" in got["error"] and "exit code -6" in got["error"]
