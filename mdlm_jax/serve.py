@@ -94,12 +94,10 @@ def parse(argv):
     except ValueError as e:
       p.error(str(e))
   for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue", "max_n", "max_body_bytes", "admit_batch",
-               "max_context"):
+               "max_context", "passes_per_turn"):
     if getattr(a, name) is not None and getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   from mdlm_jax.engine.scheduling import MIN_PREFILL_CHUNK
-  if a.passes_per_turn < 1:
-    p.error(f"--passes-per-turn must be at least 1, got {a.passes_per_turn}")
   if a.prefill_chunk < 0 or 0 < a.prefill_chunk < MIN_PREFILL_CHUNK:
     p.error(f"--prefill-chunk must be 0 (off) or at least {MIN_PREFILL_CHUNK}, got {a.prefill_chunk}")
   if a.admit_wait_ms < 0:

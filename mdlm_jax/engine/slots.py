@@ -521,9 +521,9 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
   donated so it is updated in place. pass(leaves, state, guides, table, rows=k,
   with_head=h, logprobs=l, revising=r, passes=p) compiles once per (k, h, l, r,
   p) and whether `guides` and `table` are None; it runs up to `passes` passes
-  in one launch, ending after the first pass in which a row ended: given (the operands of `guide`), the
-  host's commits for the constrained rows land first, in the same program, and
-  the pass runs guided; `table` (a `DraftTable`) drafts for revising rows with
+  in one launch, ending after the first pass in which a row ended. Given
+  `guides` (the operands of `guide`), the host's commits for the constrained
+  rows land first, in the same program, and the pass runs guided; `table` (a `DraftTable`) drafts for revising rows with
   `lookup`. It returns the new state, `published(state)`, after a guided pass
   the rows' (proposal, picked, proposed) and after a logprobs pass their
   (logp, top_ids, top_logp) (else None), all buffers of their own: the host
@@ -573,5 +573,6 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
     return packing.pack(s)
 
   return Programs(loaded, leaves, packing, jax.jit(admit_flat, donate_argnums=(1,), static_argnames=("resume",)),
-                  jax.jit(run, donate_argnums=(1,), static_argnames=("rows", "with_head", "logprobs", "revising", "passes")),
+                  jax.jit(run, donate_argnums=(1,),
+                          static_argnames=("rows", "with_head", "logprobs", "revising", "passes")),
                   jax.jit(release, donate_argnums=(0,)))

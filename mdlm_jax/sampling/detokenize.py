@@ -15,7 +15,8 @@ visible text for its context tokens (not empty or whitespace alone, which a
 decoder may strip) and its longer decode begins with that text; anything
 else (the ids no longer extend the settled prefix, say) decodes whole.
 The result equals `tok.decode(ids)`: tests check it against that on random
-ids for a byte-level BPE and a SentencePiece vocabulary.
+ids for byte-level BPE, Metaspace and SentencePiece vocabularies and a
+decoder that strips leading whitespace.
 """
 
 from __future__ import annotations
