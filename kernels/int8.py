@@ -332,6 +332,7 @@ def native_kernel_ready() -> bool:
         jax.ffi.register_ffi_target(A8_LORA_FFI_TARGET + BF16, jax.ffi.pycapsule(lib.Int8A8Bf16LoraMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
+        _state["uses_amx"] = bool(lib.Int8ProductsUseAmx())
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         print(f"the CPU kernels could not be built ({e}): int8 products use XLA's slower convert-then-dot,"
@@ -339,6 +340,12 @@ def native_kernel_ready() -> bool:
               file=sys.stderr)
         _state["ready"] = False
     return bool(_state["ready"])
+
+
+def products_use_amx() -> bool:
+  """Whether the built kernel's 8-bit products of four token rows or more run
+  on Intel AMX's tile multiplies (the same bits as its VNNI path)."""
+  return native_kernel_ready() and bool(_state.get("uses_amx"))
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> str:

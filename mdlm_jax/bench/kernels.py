@@ -202,7 +202,7 @@ def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SM
   chain = jax.jit(chain)
   macs = layers * sum(n * k for n, k, _ in SMOLLM2_LAYER.values()) + SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]
   out = {"weights": macs, "layers": layers, "activation_bits": activation_bits,
-         "native_kernel": int8.native_kernel_ready()}
+         "native_kernel": int8.native_kernel_ready(), "amx": int8.products_use_amx()}
   head = weight(*SMOLLM2_HEAD, 0, False)
   for adapted in (False, True):
     stack = [{name: weight(*shape, adapted) for name, shape in SMOLLM2_LAYER.items()} for _ in range(layers)]

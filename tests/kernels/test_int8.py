@@ -411,3 +411,38 @@ def test_the_kernel_refuses_a_layer_outside_its_stack():
     np.asarray(jax.jit(kernels.int8_matmul)(jnp.ones((1, 16), jnp.float32), beyond))
   with pytest.raises(ValueError, match="none stacked yet"):
     kernels.stack_layers([beyond, beyond])
+
+
+@BUILDS_GROUP
+def test_the_8_bit_products_on_amx_are_the_same_bits_as_on_vnni(kernels_built_with):
+  """From four token rows the native build's 8-bit products run on AMX where
+  the CPU and the OS allow it (`products_use_amx`): the same integer sums of
+  each group and the same float32 operations after them as the build without
+  AMX, so the same bits, with and without adapters, at every row count (eight
+  rows a block, then the rest) and at widths and depths off the tiles' grid."""
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ compiler on this machine")
+  name = build_without(("-mno-amx-tile", "-mno-amx-int8"), kernels_built_with, "Int8A8Matmul",
+                       "Int8A8Bf16LoraMatmul")
+  rng, seed = fresh_rng()
+  for rows in (1, 3, 4, 8, int(rng.integers(9, 30))):
+    k, n = int(rng.integers(20, 1300)), int(rng.integers(1, 200))
+    qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32), activation_bits=8)
+    cut = int(rng.integers(1, n)) if n > 1 else 1
+    rank = int(rng.integers(1, 17))
+    pieces = [(rng.normal(size=(k, rank)).astype(np.float32), rng.normal(size=(rank, w)).astype(np.float32))
+              for w in ((cut, n - cut) if n > 1 else (1,))]
+    ad = kernels.join_adapters(pieces, 2.0, jnp.bfloat16)
+    x = rng.normal(size=(rows, k)).astype(np.float32) * rng.lognormal(size=(rows, 1)).astype(np.float32)
+    chosen = rng.random(rows) < 0.5
+    out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    native = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw))
+    native_lora = np.asarray(jax.jit(kernels.int8_matmul)(jnp.asarray(x), qw.replace(adapters=ad),
+                                                          jnp.asarray(chosen)))
+    vnni = np.asarray(jax.ffi.ffi_call(name, out)(jnp.asarray(x), qw.tiles, qw.scale, layer=ONE))
+    vnni_lora = np.asarray(jax.ffi.ffi_call(name + "_lora", out)(jnp.asarray(x), qw.tiles, qw.scale, ad.at, ad.b,
+                                                                 ad.ends, jnp.asarray(chosen, jnp.float32),
+                                                                 layer=ONE))
+    np.testing.assert_array_equal(native, vnni, err_msg=f"seed {seed}, {rows} rows")
+    np.testing.assert_array_equal(native_lora, vnni_lora, err_msg=f"seed {seed}, {rows} rows, adapters")
+  print("native build on AMX:", kernels.products_use_amx())
