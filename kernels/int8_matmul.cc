@@ -320,6 +320,15 @@ inline void TileTimesRowsAmx(const int8_t* xq, int64_t kg, const float* xs, cons
 }
 #endif
 
+// Whether this process's 8-bit products of kAmxMinRows rows or more run on AMX.
+inline bool AmxServes() {
+#if MDLM_JAX_AMX
+  return AmxPermitted();
+#else
+  return false;
+#endif
+}
+
 // Low-rank adapters of one weight's output rows: u = x @ A for every token
 // row (float32, [m, P * r]), the [rank, n] rows of b (output j's column of
 // its adapter's b, times the scale, at [t, j]), adapter p acting on output
@@ -485,16 +494,16 @@ constexpr int kMaxBlock = 8;
 constexpr Block kBlocks[kMaxBlock] = {RowsTimesTiles<1>, RowsTimesTiles<2>, RowsTimesTiles<3>, RowsTimesTiles<4>,
                                       RowsTimesTiles<5>, RowsTimesTiles<6>, RowsTimesTiles<7>, RowsTimesTiles<8>};
 
-// fn(m0, rows, t0, t1) for the blocks of at most kMaxBlock token rows, each
+// fn(m0, rows, t0, t1) for the blocks of at most `block` token rows, each
 // over every tile: a few chunks of tiles a thread, for balance.
 template <typename Fn>
-void ForTiles(ffi::ThreadPool& pool, int64_t m, int64_t n, Fn fn) {
+void ForTiles(ffi::ThreadPool& pool, int64_t m, int64_t n, int64_t block, Fn fn) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t count = (n + kTile - 1) / kTile;
   const int64_t per = std::max<int64_t>(1, (count + 4 * threads - 1) / (4 * threads));
   const int64_t chunks = (count + per - 1) / per;
-  for (int64_t m0 = 0; m0 < m; m0 += kMaxBlock) {
-    const int64_t rows = std::min<int64_t>(m - m0, kMaxBlock);
+  for (int64_t m0 = 0; m0 < m; m0 += block) {
+    const int64_t rows = std::min<int64_t>(m - m0, block);
     ForEachChunk(pool, chunks, [&](int64_t c) {
       const int64_t t0 = c * per;
       fn(m0, rows, t0, std::min(count, t0 + per));
@@ -508,7 +517,7 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k,
   std::vector<int16_t> xq(m * kp);
   std::vector<float> xs(m);
   QuantizeRows(x, m, k, kp, xq.data(), xs.data());
-  ForTiles(pool, m, n, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+  ForTiles(pool, m, n, kMaxBlock, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
     kBlocks[rows - 1](xq.data(), xs.data(), tiles, scale, ad, y, m0, kp, n, t0, t1);
   });
   return ffi::Error::Success();
@@ -521,7 +530,7 @@ void RowsTimesTilesA8(const int8_t* xq, const float* xs, const int32_t* xoff, co
                       int64_t t1) {
   const int64_t groups = kg / kGroup;
 #if MDLM_JAX_AMX
-  const bool amx = M >= kAmxMinRows && AmxPermitted();
+  const bool amx = M >= kAmxMinRows && AmxServes();
   if (amx) ConfigureTiles<M>();
 #endif
   for (int64_t t = t0; t < t1; ++t) {
@@ -546,9 +555,14 @@ void RowsTimesTilesA8(const int8_t* xq, const float* xs, const int32_t* xoff, co
 
 using BlockA8 = void (*)(const int8_t*, const float*, const int32_t*, const uint8_t*, const float*, const Adapters*,
                          float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-constexpr BlockA8 kBlocksA8[kMaxBlock] = {RowsTimesTilesA8<1>, RowsTimesTilesA8<2>, RowsTimesTilesA8<3>,
-                                          RowsTimesTilesA8<4>, RowsTimesTilesA8<5>, RowsTimesTilesA8<6>,
-                                          RowsTimesTilesA8<7>, RowsTimesTilesA8<8>};
+// AMX tiles hold 16 token rows: a block of up to 16 reads the weights once
+// (eight rows' sums are all the vector registers hold on the VNNI path).
+constexpr int kMaxBlockAmx = 16;
+constexpr BlockA8 kBlocksA8[kMaxBlockAmx] = {
+    RowsTimesTilesA8<1>,  RowsTimesTilesA8<2>,  RowsTimesTilesA8<3>,  RowsTimesTilesA8<4>,
+    RowsTimesTilesA8<5>,  RowsTimesTilesA8<6>,  RowsTimesTilesA8<7>,  RowsTimesTilesA8<8>,
+    RowsTimesTilesA8<9>,  RowsTimesTilesA8<10>, RowsTimesTilesA8<11>, RowsTimesTilesA8<12>,
+    RowsTimesTilesA8<13>, RowsTimesTilesA8<14>, RowsTimesTilesA8<15>, RowsTimesTilesA8<16>};
 
 ffi::Error MultiplyA8(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const uint8_t* tiles,
                       const float* scale, int64_t n, const Adapters* ad, float* y) {
@@ -557,7 +571,7 @@ ffi::Error MultiplyA8(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t 
   std::vector<float> xs(m * groups);
   std::vector<int32_t> xoff(m * groups);
   QuantizeRowsA8(x, m, k, kg, xq.data(), xs.data(), xoff.data());
-  ForTiles(pool, m, n, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+  ForTiles(pool, m, n, AmxServes() ? kMaxBlockAmx : kMaxBlock, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
     kBlocksA8[rows - 1](xq.data(), xs.data(), xoff.data(), tiles, scale, ad, y, m0, kg, n, t0, t1);
   });
   return ffi::Error::Success();
@@ -697,11 +711,7 @@ ffi::Error Product(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32
 // Whether the 8-bit products of four token rows or more run on AMX: built for
 // it (`-march=native` on a CPU with AMX-INT8) and granted it by the kernel.
 extern "C" int Int8ProductsUseAmx() {
-#if MDLM_JAX_AMX
-  return AmxPermitted() ? 1 : 0;
-#else
-  return 0;
-#endif
+  return AmxServes() ? 1 : 0;
 }
 
 // The four handlers' bodies: int16 or 8-bit token rows (the tiles' dtype
