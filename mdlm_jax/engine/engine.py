@@ -445,6 +445,9 @@ class Engine:
       raise ValueError(f"the engine decodes with a KV-cached sampler of {', '.join(RULES)} in blocks of"
                        f" {self.sc.block_size} (engine.sampler_for builds one); got {smp!r}")
     smp.check_vocabulary(self.sc.vocab_size)
+    if getattr(smp, "head_width", 0) not in (0, self.sc.block_size):
+      raise ValueError(f"the engine verifies a head of its block size ({self.sc.block_size}); head_width="
+                       f"{smp.head_width} is the one-shot generator's (`sample --head-width`)")
     if smp.revises:
       if not self.loaded.spec.cfg.clean_causal:
         raise ValueError("revise keeps the drafts its base agrees with: it needs an AR model adapted to diffusion"

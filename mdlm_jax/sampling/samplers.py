@@ -350,9 +350,17 @@ class ThresholdSampler(ConfidenceSampler):
   # (`draft_table`), in the passes where the model's own drafts are fewer.
   # The text stays the base's.
   lookup: int = 0
+  # With revise: the columns of the verified head (0: the block size). The
+  # model drafts a block at most, but copied and table drafts can run on, and
+  # a quarter of the passes keep the whole of a block-wide head.
+  head_width: int = 0
 
   def __post_init__(self):
     super().__post_init__()
+    if self.head_width and not self.revise:
+      raise ValueError(f"head_width={self.head_width} is the width of revision's verified head: it needs revise=True")
+    if self.head_width and self.head_width < self.block_size:
+      raise ValueError(f"head_width must be 0 or at least the block size {self.block_size}, got {self.head_width}")
     if self.revise and (not self.kv_cache or self.block_size < 2 or self.fused_head):
       raise ValueError("revise decodes against a KV cache (kv_cache=True) in blocks of at least 2, from"
                        f" materialised logits (fused_head=False); got kv_cache={self.kv_cache},"
@@ -382,18 +390,21 @@ class ThresholdSampler(ConfidenceSampler):
     if lay.suffix_len:
       raise ValueError("revise writes left to right: it cannot infill against a suffix")
     bs, gs, gl = self.block_size, lay.gen_start, lay.gen_len
+    hw = self.head_width or bs
     B, L = tokens.shape
     rows = jnp.arange(B)[:, None]
     lane = jnp.arange(bs, dtype=jnp.int32)[None, :]
+    head_lane = jnp.arange(hw, dtype=jnp.int32)[None, :]
+    widen = lambda a: jnp.pad(a, ((0, 0), (0, hw - a.shape[1])))  # noqa: E731  a block-wide head, hw columns
     pass_keys = rule.pass_keys(keys, 0, 0)  # one draw per column, shared by its drafts and its verification
-    cache = denoise.new_cache(B, gs + gl + 2 * bs, per_row=True)
+    cache = denoise.new_cache(B, gs + gl + hw + bs, per_row=True)
     drafts, n_drafts = _record(jnp.zeros((gl + 2 if record else 1, B, L), jnp.int32), 0, tokens, record, emit)
     positions = denoise.positions
     # The prompt is encoded and the first tokens drafted in one pass, as cached block decoding does.
     logits, cache = denoise.cached(tokens[:, :gs + bs], positions[:, :gs + bs], cache, True, valid[:, :gs + bs],
                                    gs, bs)
     x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
-    ahead, n_ahead = x0, rule.offer(conf, self.threshold)
+    ahead, n_ahead = widen(x0), rule.offer(conf, self.threshold)
     pos0 = positions[:, gs]  # the first generated column's RoPE position
     table = getattr(denoise, "draft_table", None)
 
@@ -403,17 +414,19 @@ class ThresholdSampler(ConfidenceSampler):
     def body(s):
       f, head, n_ok = s["filled"], s["ahead"], s["n_ahead"]
       at = (pos0 + f)[:, None]
-      pos = jnp.concatenate([at + lane, at + n_ok[:, None] + 1 + lane], 1)
+      pos = jnp.concatenate([at + head_lane, at + n_ok[:, None] + 1 + lane], 1)
       blank = jnp.full((B, bs), lay.mask_id, jnp.int32)
-      logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"], lane <= n_ok[:, None])
-      columns = jnp.concatenate([f[:, None] + lane, (f + n_ok + 1)[:, None] + lane], 1)
+      logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"],
+                                            head_lane <= n_ok[:, None])
+      columns = jnp.concatenate([f[:, None] + head_lane, (f + n_ok + 1)[:, None] + lane], 1)
       logits = self._moved(logits, lay, s["tokens"], valid)
       x0, conf = rule.propose(logits, pass_keys, columns, lay.never_proposed, self.temperature, self.top_p)
-      odds = rule.draft_odds(logits[:, :bs], head, lay.never_proposed) if self.agreement < 1.0 else None
-      v = rule.verify(head, n_ok, x0[:, :bs], x0[:, bs:], conf[:, bs:], self.threshold, lay.eos_id,
+      odds = rule.draft_odds(logits[:, :hw], head, lay.never_proposed) if self.agreement < 1.0 else None
+      v = rule.verify(head, n_ok, x0[:, :hw], x0[:, hw:], conf[:, hw:], self.threshold, lay.eos_id,
                       jnp.where(s["done"], 0, gl - f), odds, self.agreement)
-      cols = gs + f[:, None] + lane
-      kept = lane < v.keep[:, None]
+      v = v.replace(ahead=widen(v.ahead))
+      cols = gs + f[:, None] + head_lane
+      kept = head_lane < v.keep[:, None]
       toks = s["tokens"].at[rows, cols].set(jnp.where(kept, head, s["tokens"][rows, jnp.minimum(cols, L - 1)]),
                                             mode="drop")
       filled = f + v.keep
@@ -422,7 +435,7 @@ class ThresholdSampler(ConfidenceSampler):
         text = toks.at[rows[:, 0], end].set(v.ahead[:, 0], mode="drop")
         col = jnp.arange(L)[None]
         known = jnp.where(col < gs, valid, col <= end[:, None])
-        v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, bs - 1))
+        v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, hw - 1))
         if table is not None:  # then the model's table of its own answers goes on from them
           before = jnp.clip(end - 1, 0, L - 1)
           v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(

@@ -59,6 +59,8 @@ def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
     engine.submit(Request(engine.encode("x"), 8, revising, suffix_ids=engine.encode("y", add_bos=False)))
   with pytest.raises(ValueError, match="grammar"):
     engine.submit(Request(engine.encode("x"), 8, revising, grammar=grammar.Grammar.json_object()))
+  with pytest.raises(ValueError, match="head of its block size"):
+    engine.submit(Request(engine.encode("x"), 8, dataclasses.replace(revising, head_width=2 * engine.sc.block_size)))
   plain = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=16, max_new_tokens=8, block_size=8)
   with pytest.raises(ValueError, match="adapted to diffusion"):
     plain.submit(Request(plain.encode("x"), 8, dataclasses.replace(revising, block_size=plain.sc.block_size)))

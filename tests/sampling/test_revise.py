@@ -148,15 +148,19 @@ def test_with_agreement_every_kept_token_is_one_the_base_rates_near_its_best(tin
       assert row[tok] - row.max() >= np.log(agreement) - 1e-3, (j, tok)
 
 
-@pytest.mark.parametrize("block_size, lookup", [pytest.param(2, 0, marks=pytest.mark.slow), (4, 0), (4, 2)])
-def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size, lookup):
-  """Random adapters draft noise, copied drafts may be wrong; the text is still the base's, token for token."""
+@pytest.mark.parametrize("block_size, lookup, head_width", [pytest.param(2, 0, 0, marks=pytest.mark.slow),
+                                                             (4, 0, 0), (4, 2, 0), (4, 2, 8)])
+def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size, lookup, head_width):
+  """Random adapters draft noise, copied drafts may be wrong, a head wider
+  than the block verifies more of them; the text is still the base's, token
+  for token."""
   ar = checkpoints.load(tiny_checkpoints["ar"])
   adapted = adapted_from(ar, block_size=block_size)
   prompts = ["def add(a, b):\n", "x = 1\ny"]
   n = 24
   want = ARGenerator(ar).generate(prompts, max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
-  got = Generator(adapted).generate(prompts, max_new_tokens=n, sampler=revising(block_size, lookup=lookup))
+  got = Generator(adapted).generate(prompts, max_new_tokens=n,
+                                    sampler=revising(block_size, lookup=lookup, head_width=head_width))
   for w, g in zip(want.completions, got.completions):
     assert g.tokens == w.tokens
   assert got.forward_passes <= n + 1
@@ -235,6 +239,13 @@ def test_copied_drafts_hold_where_the_text_repeats(lookup, passes):
   assert nfe == passes
 
 
+def test_a_head_width_needs_revision_and_at_least_a_block():
+  with pytest.raises(ValueError, match="needs revise=True"):
+    ThresholdSampler(head_width=8)
+  with pytest.raises(ValueError, match="at least the block size 4"):
+    revising(4, head_width=3)
+
+
 def test_lookup_needs_revision_and_a_short_suffix():
   with pytest.raises(ValueError, match="needs revise=True"):
     ThresholdSampler(lookup=2)
@@ -251,11 +262,13 @@ def _distinct_pairs_text(rng, n):
       return np.array(text)
 
 
-@pytest.mark.parametrize("wrong_at, passes", [
-    (None, 5),  # the prompt's pass; t0; then drafts chained from (t0, t1): t1-4; t5-8; t9-11
-    (6, 6),  # the table follows (t4, t5) with a wrong token: t0; t1-4; t5 (the base's t6 next); t6-9; t10-11
+@pytest.mark.parametrize("wrong_at, head_width, passes", [
+    (None, 0, 5),  # the prompt's pass; t0; then drafts chained from (t0, t1): t1-4; t5-8; t9-11
+    (6, 0, 6),  # the table follows (t4, t5) with a wrong token: t0; t1-4; t5 (the base's t6 next); t6-9; t10-11
+    (None, 8, 4),  # a head of 8 keeps the chain past the block: t0; t1-8; t9-11
+    (6, 8, 4),  # t0; t1-5 (the base's t6 next); t6-11
 ])
-def test_table_drafts_chain_from_the_text_and_the_base_keeps_its_own(wrong_at, passes):
+def test_table_drafts_chain_from_the_text_and_the_base_keeps_its_own(wrong_at, head_width, passes):
   text = _distinct_pairs_text(np.random.default_rng(), 12)
   seqs = [[1, 2] + text.tolist()]
   if wrong_at is not None:  # the pair before `wrong_at` seen twice followed by another token
@@ -265,13 +278,12 @@ def test_table_drafts_chain_from_the_text_and_the_base_keeps_its_own(wrong_at, p
   lay = Layout(gen_start=gs, gen_len=len(text), mask_id=MASK, eos_id=EOS)
   oracle = Oracle(text, range(20), gs)  # the model's own drafts are never offered (threshold 1)
   oracle.draft_table = draft_table.build(seqs, V)
-  out = revising(4, 1.0, lookup=2).run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32),
-                                        lay)
+  sampler = revising(4, 1.0, lookup=2, head_width=head_width)
+  out = sampler.run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32), lay)
   np.testing.assert_array_equal(np.asarray(out["tokens"][0, gs:]), text)
   assert int(out["nfe"]) == passes
   oracle.draft_table = None  # no table, no copies (the text never repeats a pair): a token a pass
-  out = revising(4, 1.0, lookup=2).run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32),
-                                        lay)
+  out = sampler.run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32), lay)
   assert int(out["nfe"]) == len(text) + 1
 
 
