@@ -16,14 +16,14 @@ SC = types.SimpleNamespace(num_slots=3, max_prompt=8, block_size=4, bitmask_word
 
 def samplers_unlike_the_default(rng) -> list:
   """Every travelling field of every rule the engine serves away from its default, in one sampler or
-  another (revise excludes the fused head; agreement and lookup go with revise): a field the encoding forgot comes
-  back wrong."""
+  another (revise excludes the fused head; agreement, lookup and head_width go with revise): a field the encoding
+  forgot comes back wrong."""
   out = []
   for kind in RULES.values():
     changes = _changed_fields(kind, rng)
     apart = [f for f in ("revise", "fused_head") if f in changes] or [None]
     for other in apart:
-      left_out = {other, "agreement", "lookup"} if other == "revise" else {other}
+      left_out = {other, "agreement", "lookup", "head_width"} if other == "revise" else {other}
       out.append(kind(block_size=SC.block_size, kv_cache=True,
                       **{k: v for k, v in changes.items() if k not in left_out}))
   return out
@@ -34,7 +34,9 @@ def _changed_fields(kind, rng) -> dict:
   for f in dataclasses.fields(kind):
     if f.name in ("block_size", "kv_cache", "block_causal"):  # the engine's own (cached blocks of its size)
       continue
-    if isinstance(f.default, bool):
+    if f.name == "head_width":  # at least the block
+      changes[f.name] = SC.block_size + int(rng.integers(1, 3))
+    elif isinstance(f.default, bool):
       changes[f.name] = not f.default
     elif isinstance(f.default, float):
       changes[f.name] = float(np.float32(rng.uniform(0.05, 0.95)))
