@@ -131,14 +131,10 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t kp, int16_t* xq,
 // Columns of a token row that share one 8-bit scale ("w8a8"); a multiple of 16.
 constexpr int64_t kGroup = 32;
 constexpr float kInt8Max = 127.f;
-// From this many token rows the 8-bit product runs on AMX where it can.
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 0
-#endif
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 2
-#endif
-constexpr int kAmxMinRows = AMX_MIN_ROWS;
+// From this many token rows the 8-bit products run on AMX where it can (at
+// one or two rows the tile set-up and the sums' round trip through memory cost
+// more than vpdpbusd saves; at four the two are even, at eight AMX is ahead).
+constexpr int kAmxMinRows = 4;
 
 // Rounds each of the m rows of x [m, k] to int8 with a scale per group of
 // kGroup columns, into rows of kg columns (zeros past k): xs [m, kg / kGroup]

@@ -144,9 +144,8 @@ def main(argv=None):
                         a.agreement, a.lookup, a.head_width)
       if a.show_steps or a.kv_cache is not None or any(v is not None for v in diffusion_only):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
-                         " --block-size, --threshold, --min-tokens, --revise, --agreement, --lookup, --head-width and --[no-]kv-cache"
-                         " apply to"
-                         " diffusion models only")
+                         " --block-size, --threshold, --min-tokens, --revise, --agreement, --lookup, --head-width and"
+                         " --[no-]kv-cache apply to diffusion models only")
       sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0,
                           top_p=1.0 if a.top_p is None else a.top_p, presence_penalty=a.presence_penalty or 0.0,
                           frequency_penalty=a.frequency_penalty or 0.0, logit_bias=a.logit_bias)

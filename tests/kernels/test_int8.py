@@ -418,8 +418,9 @@ def test_the_8_bit_products_on_amx_are_the_same_bits_as_on_vnni(kernels_built_wi
   """From four token rows the native build's 8-bit products run on AMX where
   the CPU and the OS allow it (`products_use_amx`): the same integer sums of
   each group and the same float32 operations after them as the build without
-  AMX, so the same bits, with and without adapters, at every row count (eight
-  rows a block, then the rest) and at widths and depths off the tiles' grid."""
+  AMX, so the same bits, with and without adapters, at every row count (on
+  AMX blocks of up to 16 rows, on VNNI of 8) and at widths and depths off the
+  tiles' grid."""
   if not kernels.native_kernel_ready():
     pytest.skip("no C++ compiler on this machine")
   name = build_without(("-mno-amx-tile", "-mno-amx-int8"), kernels_built_with, "Int8A8Matmul",
