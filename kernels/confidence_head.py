@@ -28,12 +28,17 @@ from mdlm_jax.kernels.numerics import NEG_INF, gumbel_float32
 
 @dataclasses.dataclass(frozen=True)
 class HeadBlockSizes:
+  """Tile sizes. On GPU a product reads the hidden size in slices of
+  `block_hidden` (0: whole): with whole rows, a [64, 1024] by [1024, 256]
+  bfloat16 product asked an H200 for 1.2 MB of shared memory (it has 227 KB)."""
+
   block_rows: int = 64
-  block_vocab: int = 256
+  block_vocab: int = 128
+  block_hidden: int = 64
 
   @classmethod
   def get_default(cls, backend: str = "gpu") -> "HeadBlockSizes":
-    return cls(256, 1024) if backend == "tpu" else cls()
+    return cls(256, 1024, 0) if backend == "tpu" else cls()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +95,7 @@ def _tile_update(state, logits, y, col, start):
           jnp.where(better, tile_logit, best_logit))
 
 
-def _tile_scores(h, w_tile, bits_tile, col, v: int, st: HeadSettings):
-  logits = _dot(h, w_tile)
+def _tile_scores(logits, bits_tile, col, v: int, st: HeadSettings):
   for i in st.exclude_ids:  # a handful of ids: unrolled compares
     logits = jnp.where(col == i, NEG_INF, logits)
   logits = jnp.where(col < v, logits, -jnp.inf)
@@ -116,22 +120,27 @@ def _write(state, tok_ref, prob_ref, maxp_ref):
   maxp_ref[...] = jnp.exp(m - lse)
 
 
-def _head_loop_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sample: bool):
+def _head_loop_kernel(h_ref, w_ref, *rest, v: int, bv: int, bk: int, st: HeadSettings, sample: bool):
   """GPU: one program per row tile, looping over the vocabulary tiles."""
   bits_ref, (tok_ref, prob_ref, maxp_ref) = (rest[0], rest[1:]) if sample else (None, rest)
-  h = h_ref[...]
-  bn = h.shape[0]
+  bn, d = h_ref.shape
+  bk = bk or d
 
   def body(j, state):
     cols = pl.ds(j * bv, bv)
     col = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
-    logits, y = _tile_scores(h, w_ref[:, cols], None if bits_ref is None else bits_ref[:, cols], col, v, st)
+
+    def slice_of_hidden(k, acc):
+      ks = pl.ds(k * bk, bk)
+      return acc + _dot(h_ref[:, ks], w_ref[ks, cols])
+    logits = lax.fori_loop(0, d // bk, slice_of_hidden, jnp.zeros((bn, bv), jnp.float32))
+    logits, y = _tile_scores(logits, None if bits_ref is None else bits_ref[:, cols], col, v, st)
     return _tile_update(state, logits, y, col, j * bv)
 
   _write(lax.fori_loop(0, w_ref.shape[1] // bv, body, _init(bn)), tok_ref, prob_ref, maxp_ref)
 
 
-def _head_grid_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sample: bool):
+def _head_grid_kernel(h_ref, w_ref, *rest, v: int, bv: int, bk: int, st: HeadSettings, sample: bool):
   """TPU: the vocabulary tile is the inner grid axis; the row state lives in scratch."""
   bits_ref, rest = (rest[0], rest[1:]) if sample else (None, rest)
   tok_ref, prob_ref, maxp_ref, *scratch = rest
@@ -143,7 +152,8 @@ def _head_grid_kernel(h_ref, w_ref, *rest, v: int, bv: int, st: HeadSettings, sa
       ref[...] = x
 
   col = j * bv + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
-  logits, y = _tile_scores(h_ref[...], w_ref[...], None if bits_ref is None else bits_ref[...], col, v, st)
+  del bk  # a TPU tile's product reads whole rows
+  logits, y = _tile_scores(_dot(h_ref[...], w_ref[...]), None if bits_ref is None else bits_ref[...], col, v, st)
   for ref, x in zip(scratch, _tile_update(tuple(r[...] for r in scratch), logits, y, col, j * bv)):
     ref[...] = x
 
@@ -184,15 +194,16 @@ def confidence_head_pallas(
   n = b * t
   bn = min(blocks.block_rows, max(16, pl.next_power_of_2(n)))
   bv = min(blocks.block_vocab, max(16, pl.next_power_of_2(v)))
-  np_, vp = -(-n // bn) * bn, -(-v // bv) * bv
+  bk = min(blocks.block_hidden, max(16, pl.next_power_of_2(d))) if backend == "gpu" else 0
+  np_, vp, dp = -(-n // bn) * bn, -(-v // bv) * bv, -(-d // bk) * bk if bk else d
   sample = bits is not None and settings.temperature > 0
-  h2 = _pad(hidden.reshape(n, d), 0, np_)
-  w2 = _pad(w.astype(hidden.dtype), 1, vp)
+  h2 = _pad(_pad(hidden.reshape(n, d), 0, np_), 1, dp)  # zero columns and rows add nothing
+  w2 = _pad(_pad(w.astype(hidden.dtype), 1, vp), 0, dp)
   args = [h2, w2] + ([_pad(_pad(bits.reshape(n, v), 0, np_), 1, vp)] if sample else [])
   out_shape = [jax.ShapeDtypeStruct((np_, 1), jnp.int32)] + [jax.ShapeDtypeStruct((np_, 1), jnp.float32)] * 2
-  kw = dict(v=v, bv=bv, st=settings, sample=sample)
+  kw = dict(v=v, bv=bv, bk=bk, st=settings, sample=sample)
   if backend == "gpu":
-    in_specs = [pl.BlockSpec((bn, d), lambda i: (i, 0)), pl.BlockSpec((d, vp), lambda i: (0, 0))]
+    in_specs = [pl.BlockSpec((bn, dp), lambda i: (i, 0)), pl.BlockSpec((dp, vp), lambda i: (0, 0))]
     in_specs += [pl.BlockSpec((bn, vp), lambda i: (i, 0))] if sample else []
     call = pl.pallas_call(functools.partial(_head_loop_kernel, **kw), grid=(np_ // bn,), in_specs=in_specs,
                           out_specs=[pl.BlockSpec((bn, 1), lambda i: (i, 0))] * 3, out_shape=out_shape,

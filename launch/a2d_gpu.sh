@@ -7,11 +7,17 @@
 #
 #   launch/a2d_gpu.sh SECONDS OUT [INIT]
 #
+# It ends within SECONDS: give a leased machine's call limit less a margin for the setup.
+#
 # INIT: what stage A starts from (default: the packaged adapters). Needs the base in the
 # model cache ($MDLM_JAX_CACHE; `python -m mdlm_jax.fetch smollm2-135m-instruct`) and the
-# chat folder at data/a2d_chat4 (exports/a2d_chat_data/README.md rebuilds it).
+# chat folder (exports/a2d_chat_data/README.md rebuilds data/a2d_chat4).
 # Workdirs go under $A2D_RUNS (default /tmp/a2d_runs); $A2D_FLAGS (e.g.
-# "--config.data.batch_size=2") is added to both stages' flags.
+# "--config.model.dtype=bfloat16") is added to both stages' flags; where stage A fails
+# before its first checkpoint, it runs once more with $A2D_FALLBACK_FLAGS in their place
+# (a faster setting tried first, the known one after). $A2D_CHAT names the chat folder
+# (default data/a2d_chat4), $A2D_SHARE_A stage A's percent of the time (default 45) and
+# $A2D_STEPS_A its steps (default 800; the learning rate's cosine spans them).
 set -u -o pipefail
 if [ $# -lt 2 ]; then
   echo "usage: launch/a2d_gpu.sh SECONDS OUT [INIT]" >&2
@@ -23,23 +29,35 @@ export PYTHONUNBUFFERED=1  # progress lines reach the logs as they happen
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
 mkdir -p "$out" "$runs"
-[ -f data/a2d_chat4/train.jsonl ] || { echo "data/a2d_chat4/train.jsonl not found" >&2; exit 2; }
+chat=${A2D_CHAT:-data/a2d_chat4}
+[ -f "$chat/train.jsonl" ] || { echo "$chat/train.jsonl not found" >&2; exit 2; }
 
 # About 110 s go to the two exports and each run's start beyond its steps; stage A gets
-# 45% of the rest.
-stage_a=$(((budget - 110) * 45 / 100))
-timeout -s TERM -k 25 "$stage_a" python -m mdlm_jax.train --config=configs/a2d_smollm2.py --workdir="$runs/a" \
-  --config.diffusion.block_size=4 --config.train.init_from="$init" \
-  --config.data.seq_len=512 --config.data.batch_size=32 --config.data.shuffle_seed=5 \
-  --config.optim.learning_rate=5e-4 --config.optim.warmup_steps=20 --config.train.num_steps=800 \
-  --config.train.log_every=10 --config.train.checkpoint_every=50 --config.train.eval_every=0 \
-  --config.train.eval_batches=4 ${A2D_FLAGS:-} 2>&1 | tee "$out/log_a.txt"
+# A2D_SHARE_A percent of the rest.
+stage_a_end=$(((budget - 110) * ${A2D_SHARE_A:-45} / 100))
+stage_a() {  # FLAGS: stage A until its share of the budget is spent
+  timeout -s TERM -k 25 $((stage_a_end - $(elapsed))) python -m mdlm_jax.train --config=configs/a2d_smollm2.py \
+    --workdir="$runs/a" --config.diffusion.block_size=4 --config.train.init_from="$init" \
+    --config.data.seq_len=512 --config.data.batch_size=32 --config.data.shuffle_seed=5 \
+    --config.optim.learning_rate=5e-4 --config.optim.warmup_steps=20 --config.train.num_steps=${A2D_STEPS_A:-800} \
+    --config.train.log_every=10 --config.train.checkpoint_every=50 --config.train.eval_every=0 \
+    --config.train.eval_batches=4 $1 2>&1 | tee -a "$out/log_a.txt"
+}
+stage_a "${A2D_FLAGS:-}"
+code=$?
+if [ $code -ne 0 ] && [ $code -ne 124 ] && [ ! -d "$runs/a/checkpoints" ] && [ -n "${A2D_FALLBACK_FLAGS+set}" ]; then
+  echo "stage A failed (exit $code) before its first checkpoint; again with A2D_FALLBACK_FLAGS" | tee -a "$out/log_a.txt"
+  A2D_FLAGS=${A2D_FALLBACK_FLAGS}; rm -rf "$runs/a"
+  stage_a "$A2D_FLAGS"
+fi
 
 from="$runs/a"
 [ -d "$runs/a/checkpoints" ] || from="$init"
-stage_b=$((budget - 45 - $(elapsed)))
+# Stage B stops early enough that its SIGTERM grace (25 s) and the export (up to 90 s:
+# the base and the checkpoint loaded again) still end inside the budget.
+stage_b=$((budget - 115 - $(elapsed)))
 timeout -s TERM -k 25 "$stage_b" python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py \
-  --workdir="$runs/b" --config.train.init_from="$from" --config.data.corpus=data/a2d_chat4 \
+  --workdir="$runs/b" --config.train.init_from="$from" --config.data.corpus="$chat" \
   --config.data.batch_size=32 --config.data.shuffle_seed=5 --config.optim.learning_rate=3e-4 \
   --config.train.num_steps=800 --config.train.keep_checkpoints=12 --config.train.log_every=10 \
   --config.train.checkpoint_every=100 --config.train.eval_every=100 --config.train.eval_batches=2 \

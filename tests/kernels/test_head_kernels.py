@@ -32,16 +32,18 @@ def materialised(hidden, w, bits, temperature, exclude_ids):
   return tok, jnp.exp(jnp.take_along_axis(logp, tok[..., None], -1)[..., 0]), jnp.exp(logp.max(-1))
 
 
-@pytest.mark.parametrize("backend,temperature", [("gpu", 0.8), ("gpu", 0.0), ("tpu", 1.0)])
-def test_fused_head_equals_materialised_logits(backend, temperature):
+@pytest.mark.parametrize("backend,temperature,d", [("gpu", 0.8, 16), ("gpu", 0.0, 16), ("gpu", 0.8, 40),
+                                                   ("tpu", 1.0, 16)])
+def test_fused_head_equals_materialised_logits(backend, temperature, d):
+  """d=40 reads the hidden size in three slices of 16, the last zero-padded."""
   seed = int(np.random.SeedSequence().entropy % 2**31)
-  hidden, w, bits = rand_head(seed)
+  hidden, w, bits = rand_head(seed, d=d)
   # Excluded: the id 3 and the greedy picks of three positions, ids that would win somewhere.
   favourites = np.asarray(jnp.argmax(jnp.einsum("btd,dv->btv", hidden, w), -1)).ravel()
   excluded = tuple(sorted({3, *np.random.default_rng(seed).choice(favourites, 3).tolist()}))
   st = HeadSettings(temperature, excluded)
   got = jax.jit(lambda h, w, bits: kernels.confidence_head_pallas(
-      h, w, bits, st, block_sizes=HeadBlockSizes(16, 16), backend=backend, interpret=True))(hidden, w, bits)
+      h, w, bits, st, block_sizes=HeadBlockSizes(16, 16, 16), backend=backend, interpret=True))(hidden, w, bits)
   want = materialised(hidden, w, bits, temperature, excluded)
   ref = kernels.confidence_head_reference(hidden, w, bits, st)
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=f"seed {seed}")
@@ -108,3 +110,26 @@ def test_flash_attention_compiles_on_gpu():
   got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, mask=mask, implementation="pallas"))(q, k, v)
   ref = kernels.attention_reference(q, k, v, mask=mask)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_the_triton_head_in_triton_s_interpreter(monkeypatch, temperature):
+  """The jax-triton kernel's own launch (sizes as constants, the hidden size in
+  slices, a part-filled last vocabulary tile) run by Triton's interpreter
+  where Triton is installed; a GPU run needs jax-triton too."""
+  monkeypatch.setenv("TRITON_INTERPRET", "1")  # read as Triton is imported
+  triton = pytest.importorskip("triton")
+  if not triton.knobs.runtime.interpret:
+    pytest.skip("Triton was imported before TRITON_INTERPRET was set")
+  from kernels import confidence_head_triton as head_triton  # the module jax-triton's path imports
+  from tests.kernels.triton_interpreter import HostTensor
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  hidden, w, bits = rand_head(seed, b=2, t=9, d=40, v=300)
+  st = HeadSettings(temperature, (3, 17))
+  inputs, out_shape, grid, constants = head_triton.launch(hidden, w, bits, st, block_sizes=HeadBlockSizes(16, 64, 16))
+  outs = [HostTensor(np.zeros(o.shape, o.dtype)) for o in out_shape]
+  head_triton._kernel.__wrapped__()[grid](*(HostTensor(np.asarray(x)) for x in inputs), *outs, **constants)  # pylint: disable=protected-access
+  want = materialised(hidden, w, bits, temperature, st.exclude_ids)
+  np.testing.assert_array_equal(outs[0].array.reshape(2, 9), np.asarray(want[0]), err_msg=f"seed {seed}")
+  for got, e in zip(outs[1:], want[1:]):
+    np.testing.assert_allclose(got.array.reshape(2, 9), np.asarray(e), rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
