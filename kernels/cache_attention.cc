@@ -163,6 +163,12 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
     }
 #endif
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  // The sums over slots run in 16-slot steps from the first valid slot, so a
+  // query's total is the same bits wherever its slots sit in the buffer (a
+  // prompt left-padded by the AR path or at slot 0 in the engine): int8
+  // decoding rounds token rows, and ulps apart there become other tokens.
+  int64_t lo = 0;
+  while (lo < reach && !valid[lo]) ++lo;
   // Each query's probabilities (unnormalised; 0 past its end and on masked
   // slots) and the reciprocal of their total, 0 for a query that reads nothing.
   float inv[kQueries] = {0.f};
@@ -198,7 +204,8 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       continue;
     }
     float total = 0.f;
-    j = 0;
+    std::fill(row, row + lo, 0.f);  // masked: before the first valid slot
+    j = lo;
 #if defined(__AVX512F__)
     const __m512 shift = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();

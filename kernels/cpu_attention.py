@@ -19,9 +19,12 @@ from jaxtyping import Array, Float
 from mdlm_jax.kernels import int8
 from mdlm_jax.kernels.masks import AttentionMask
 
-# Up to this many queries a call serves (a decoding pass's rows: a block, a
-# revising head and its block, a few slots); a prefill takes XLA's path.
-MAX_QUERIES = 64
+# Up to this many queries a call serves: a decoding pass's rows, and the
+# prefills the int8 products serve (`int8.KERNEL_MAX_ROWS`), so that a prompt's
+# keys and values are the same bits however the prompt sits in the cache (XLA's
+# attention sums over the buffer's shape, and the int8 rounding of token rows
+# makes other tokens of the ulps between two shapes).
+MAX_QUERIES = int8.KERNEL_MAX_ROWS
 
 
 def serves(q, k_cache, v_cache, layer, mask, implementation: str) -> bool:

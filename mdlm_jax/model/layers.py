@@ -87,8 +87,25 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     xf = x.astype(STATS_DTYPE)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    y = xf * jax.lax.rsqrt(row_mean_square(xf) + self.eps)
     return (y * self.scale[...]).astype(x.dtype)
+
+
+NORM_ROW_GROUP = 8
+
+
+def row_mean_square(x: Float[Array, "... d"]) -> Float[Array, "... 1"]:
+  """mean(x * x) over the last axis, the same bits for a row however many rows
+  come with it. XLA:CPU sums a [1, d] row in another order than the rows of an
+  [8, d] array (a few ulps apart, measured), and int8 decoding's rounding of
+  token rows turns such ulps into different tokens: the one-row AR step and an
+  eight-row revising pass then disagree where they must not. Rows go in groups
+  of NORM_ROW_GROUP (zero rows padding the last), one reduction shape for all."""
+  lead, d = x.shape[:-1], x.shape[-1]
+  rows = math.prod(lead)
+  padded = -(-rows // NORM_ROW_GROUP) * NORM_ROW_GROUP
+  x2 = jnp.pad(x.reshape(rows, d), ((0, padded - rows), (0, 0))).reshape(-1, NORM_ROW_GROUP, d)
+  return jnp.mean(x2 * x2, axis=-1).reshape(padded)[:rows].reshape(*lead, 1)
 
 
 class Attention(nnx.Module):

@@ -149,3 +149,29 @@ def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu():
   many = jnp.zeros((1, cpu_attention.MAX_QUERIES + 1, 2, 8))
   assert not cpu_attention.serves(many, k, v, 1, prefix.replace(q_end=jnp.ones((1, many.shape[1]), jnp.int32)),
                                   "xla")
+
+
+def test_a_query_reads_the_same_bits_wherever_its_slots_sit():
+  """The same keys and values at slot 0 (the engine's prompt) or after padding
+  (the AR path's left-padded prompt), at every offset modulo 16: the outputs are
+  equal bits, as int8 decoding needs of the AR step and the revising pass."""
+  rng, seed = fresh_rng()
+  d, g, r, used = 64, 3, 3, int(rng.integers(20, 300))
+  keys = rng.normal(size=(used, g, d)).astype(np.float32)
+  values = rng.normal(size=(used, g, d)).astype(np.float32)
+  q = (rng.normal(size=(1, 5, g * r, d)) * 2).astype(np.float32)
+  outs = []
+  for pad in range(17):
+    s = pad + used + 7
+    kb = np.zeros((1, 1, g, d, s), np.float32)
+    vb = np.zeros((1, 1, g, s, d), np.float32)
+    kb[0, 0, :, :, pad:pad + used] = keys.transpose(1, 2, 0)
+    vb[0, 0, :, pad:pad + used] = values.transpose(1, 0, 2)
+    valid = np.zeros((1, s), bool)
+    valid[0, pad:pad + used] = True
+    q_end = (pad + used - 4 + np.arange(5, dtype=np.int32))[None]  # the last queries read every slot
+    outs.append(np.asarray(cpu_attention.cpu_cache_attention(jnp.asarray(q), jnp.asarray(kb), jnp.asarray(vb), 0,
+                                                             kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(q_end),
+                                                                                   kv_valid=jnp.asarray(valid)))))
+  for pad, out in enumerate(outs):
+    np.testing.assert_array_equal(out, outs[0], err_msg=f"padding {pad}, seed {seed}")

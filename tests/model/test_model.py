@@ -414,3 +414,18 @@ def test_init_params_of_some_names_equals_those_of_the_whole_initialisation():
     np.testing.assert_array_equal(np.asarray(some[name]), np.asarray(whole[name]), err_msg=name)
   with pytest.raises(ValueError, match="no parameters"):
     init_params(spec, seed, only=frozenset({"['nothing']"}))
+
+
+def test_a_rows_mean_square_is_the_same_bits_among_any_number_of_rows():
+  """RMSNorm's statistic for one row alone and among 2 to 200 rows: equal bits
+  (XLA's plain mean over [1, 576] and [8, 576] rounds apart), and within float32
+  rounding of float64 numpy."""
+  from mdlm_jax.model.layers import row_mean_square
+  rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**31))
+  x = jnp.asarray(rng.normal(size=(1, 200, 576)) * rng.uniform(0.1, 10), jnp.float32)
+  f = jax.jit(row_mean_square)
+  alone = np.concatenate([np.asarray(f(x[:, i:i + 1])) for i in range(200)], axis=1)
+  for m in (2, 3, 8, 12, 16, 40, 200):
+    np.testing.assert_array_equal(np.asarray(f(x[:, :m])), alone[:, :m], err_msg=f"{m} rows")
+  want = np.mean(np.asarray(x, np.float64) ** 2, axis=-1, keepdims=True)
+  np.testing.assert_allclose(alone, want, rtol=1e-6)
