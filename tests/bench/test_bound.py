@@ -69,7 +69,7 @@ def test_adapters_joined_into_int8_weights_are_counted_once(tiny_checkpoints):
       0 if cfg.tie_embeddings else nbytes(adapted.params["embedding"]))
 
 
-@pytest.mark.parametrize("decode_dtype", ["int8", "w8a8"])
+@pytest.mark.parametrize("decode_dtype", ["int8", pytest.param("w8a8", marks=pytest.mark.slow)])
 def test_bench_a2d_counts_the_bytes_of_the_decoding_copy_it_runs(tiny_checkpoints, decode_dtype):
   """`bench a2d`'s bound reads the decoding copy's weights from shapes alone:
   the same bytes as the copy `for_decoding` makes, bfloat16 adapters (where

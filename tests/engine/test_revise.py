@@ -28,6 +28,7 @@ def engine(models):
   e.close(deadline_s=1)
 
 
+@pytest.mark.slow  # 20 s; the agreement test below runs revision in the engine against the generator
 def test_revising_and_block_requests_share_passes_and_each_writes_its_own_text(models, engine):
   ar, adapted = models
   n = 14
@@ -136,7 +137,8 @@ def test_passes_in_one_launch_write_what_a_launch_a_pass_writes(models):
   assert got[3][3] >= got[3][2]  # block decoding: every pass launched by itself
 
 
-@pytest.mark.parametrize("chunk", [0, pytest.param(16, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 17 s; the generator's copied-draft tests run by default
+@pytest.mark.parametrize("chunk", [0, 16])
 def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
   """With lookup the engine copies from the prompt it was given (whole or in chunks) and the text so far,
   as the one-shot generator does: the same text (the base's) in the same passes."""

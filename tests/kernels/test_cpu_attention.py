@@ -72,6 +72,7 @@ def test_the_kernel_equals_a_float64_softmax_attention_on_random_masks():
 
 
 @BUILDS_GROUP
+@pytest.mark.slow  # a second kernel build and 9 s
 @pytest.mark.parametrize("flags", [("-mno-avx512f",)], ids=["no-avx512"])
 def test_the_kernel_built_without_avx512_computes_the_same(flags, kernels_built_with):
   lib = ctypes.cdll.LoadLibrary(kernels_built_with(flags))

@@ -134,7 +134,8 @@ def build_without(flags, kernels_built_with, plain, lora=None):
 
 
 @BUILDS_GROUP
-@pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
+@pytest.mark.parametrize("flags", [pytest.param(("-mno-avx512vnni",), marks=pytest.mark.slow), ("-mno-avx512f",)],
+                         ids=["no-vnni", "no-avx512"])
 def test_the_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, kernels_built_with):
   """The paths for CPUs without AVX-512 VNNI (a plain integer loop) or
   without AVX-512 (scalar rounding, epilogue and adapters), built and checked

@@ -89,6 +89,7 @@ def test_w8a8_rounds_token_rows_to_8_bits_in_groups_and_stays_near_the_float_mod
   assert np.corrcoef(got.ravel(), full.ravel())[0, 1] > 0.99
 
 
+@pytest.mark.slow  # 11 s; the AR generator's int8 test and the revising generator's w8a8 test run by default
 def test_the_generator_decodes_int8_as_the_dequantized_model(diffusion):
   sampler = adapt_to_model(sampler_for("medium"), diffusion.config.diffusion.block_size)
   q = for_decoding(diffusion, decode_dtype="int8")

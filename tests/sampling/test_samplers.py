@@ -218,7 +218,7 @@ def test_infill_searches_lengths_and_keeps_prefix_suffix(generator):
 
 @pytest.mark.parametrize("which,sampler", [
     pytest.param("generator", LowConfidenceSampler(steps=4, block_size=8, temperature=1.0), marks=pytest.mark.slow),
-    ("generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)),
+    pytest.param("generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0), marks=pytest.mark.slow),
     ("shifted_generator", ThresholdSampler(threshold=0.2, block_size=8, temperature=1.0)),
 ], ids=["low_confidence", "threshold", "threshold_shifted_head"])
 def test_kv_cached_blocks_equal_uncached_block_causal(request, which, sampler):

@@ -103,6 +103,7 @@ def test_bad_rows_are_refused():
     Scorer(spec, ARObjective(), params, time_samples=0)
 
 
+@pytest.mark.slow  # 9 s
 def test_bound_profile_is_the_integrand_at_each_noise_level_and_block_position():
   """Against float64 numpy: at each stratum t, (1/t) x the cross-entropy
   ([MASK] left out of the softmax) of the tokens the objective's key masks,

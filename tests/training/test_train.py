@@ -104,6 +104,7 @@ def test_kill_and_resume_is_exact(tiny_tokenizer_path, tmp_path, how):
     assert loss == ref_train[s], s
 
 
+@pytest.mark.slow  # 15 s
 def test_a_resumed_run_restores_without_a_random_initialisation(tiny_config, tmp_path, monkeypatch):
   """Resuming fills zeros of the params' shapes from the checkpoint: the whole
   model's random initialisation (minutes of compiling on a GPU) never runs."""
