@@ -100,7 +100,11 @@ def row_mean_square(x: Float[Array, "... d"]) -> Float[Array, "... 1"]:
   [8, d] array (a few ulps apart, measured), and int8 decoding's rounding of
   token rows turns such ulps into different tokens: the one-row AR step and an
   eight-row revising pass then disagree where they must not. Rows go in groups
-  of NORM_ROW_GROUP (zero rows padding the last), one reduction shape for all."""
+  of NORM_ROW_GROUP (zero rows padding the last), one reduction shape for all.
+  Only XLA:CPU, where int8 decoding runs: elsewhere (training on a sharded
+  sequence) the plain mean keeps the activations' layout."""
+  if jax.default_backend() != "cpu":
+    return jnp.mean(x * x, axis=-1, keepdims=True)
   lead, d = x.shape[:-1], x.shape[-1]
   rows = math.prod(lead)
   padded = -(-rows // NORM_ROW_GROUP) * NORM_ROW_GROUP
