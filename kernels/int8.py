@@ -338,7 +338,8 @@ def native_kernel_ready() -> bool:
         _state["uses_amx"] = bool(lib.Int8ProductsUseAmx())
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
-        print(f"the CPU kernels could not be built ({e}): int8 products use XLA's slower convert-then-dot,"
+        print(f"the CPU kernels could not be built ({e}): int8 products use XLA's slower convert-then-dot"
+              " (so --decode-dtype auto decodes in float32),"
               " decoding attention XLA's dots",
               file=sys.stderr)
         _state["ready"] = False

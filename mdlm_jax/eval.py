@@ -29,6 +29,10 @@ _SEED = flags.DEFINE_integer("seed", None, "seed of the t/mask draws (default: c
 _RAW = flags.DEFINE_bool("raw_params", False, "evaluate the raw params instead of the EMA")
 _PROFILE = flags.DEFINE_integer("profile", 0, "diffusion only: also the bound's integrand at this many noise"
                                 " levels t, and by position in the block (where the bound is lost)")
+_DECODE_DTYPE = flags.DEFINE_enum("decode_dtype", "float32", ["auto", "float32", "int8", "w8a8"],
+                                  "score with the weights a decoder reads (one device): float32 as trained, or"
+                                  " the int8 copy `sample --decode-dtype` decodes from; the bound and perplexity"
+                                  " then say what that rounding costs")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a sentence")
 _MESH = flags.DEFINE_string("mesh", None, "device mesh, e.g. 'data=4,fsdp=2' (default: one device, or data"
                             " parallel over every device of a multi-process run)")
@@ -47,7 +51,7 @@ def main(argv):
     res = checkpoint_eval.evaluate_checkpoint(_CHECKPOINT.value, _DATA.value, _TEXT_FIELD.value, _NUM_BATCHES.value,
                                               _BATCH_SIZE.value, _TIME_SAMPLES.value, _SEED.value, _RAW.value,
                                               _MESH.value, _PROFILE.value,
-                                              seq_len=_SEQ_LEN.value)
+                                              seq_len=_SEQ_LEN.value, decode_dtype=_DECODE_DTYPE.value)
   except cli.USER_ERRORS as e:
     cli.fail("eval", e)
   import jax

@@ -19,7 +19,7 @@ from mdlm_jax import cli
 def parse(argv):
   from mdlm_jax.sampling.presets import DEFAULT_EFFORT, EFFORTS
   from mdlm_jax.sampling.samplers import SAMPLERS
-  from mdlm_jax.model.transformer import DECODE_DTYPES
+  from mdlm_jax.model.transformer import DECODE_DTYPE_CHOICES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.sample", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir or checkpoint folder (default: the packaged model)")
   p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
@@ -68,10 +68,11 @@ def parse(argv):
   p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                  help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans it)")
   p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-  p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
+  p.add_argument("--decode-dtype", choices=DECODE_DTYPE_CHOICES, default="auto",
                  help="int8: decode from weight-only int8 weights (a scale per output row; a quarter of the bytes"
                       " a pass reads), converted once at load; w8a8: the same weights, token rows rounded to"
-                      " 8 bits in groups of 32 columns (faster passes over several rows)")
+                      " 8 bits in groups of 32 columns (faster passes over several rows); float32: the weights as"
+                      " trained; auto: w8a8 on one CPU where the int8 kernels build, else float32")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
   p.add_argument("--no-bos", action="store_true", help="do not start the prompt with BOS")
@@ -184,7 +185,8 @@ def main(argv=None):
   stats = {"forward_passes": result.forward_passes, "steps": result.steps, "seconds": result.seconds,
            "new_tokens": new_tokens,
            "tokens_per_forward": new_tokens / max(result.forward_passes, 1) / len(result.completions),
-           "tokens_per_s": new_tokens / max(result.seconds, 1e-9), "sampler": repr(sampler)}
+           "tokens_per_s": new_tokens / max(result.seconds, 1e-9), "sampler": repr(sampler),
+           "decode_dtype": gen.decode_dtype}
   if a.json:
     print(json.dumps({"completions": [{"text": c.text, "finish_reason": c.finish_reason,
                                        "tokens": len(c.tokens)} for c in result.completions], **stats}))
@@ -194,7 +196,7 @@ def main(argv=None):
       print(f"=== sample {i} ({c.finish_reason}) ===")
     print(c.text if a.chat else a.prompt + c.text + (a.suffix or ""))
   print(f"[{new_tokens} tokens in {result.forward_passes} forward passes, {stats['seconds']:.2f}s"
-        f" incl. compile; {repr(sampler)}]", file=sys.stderr)
+        f" incl. compile; {gen.decode_dtype} weights; {repr(sampler)}]", file=sys.stderr)
 
 
 if __name__ == "__main__":

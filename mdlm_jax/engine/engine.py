@@ -33,7 +33,7 @@ from mdlm_jax import kernels
 from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
 from mdlm_jax.data.tokenizer import never_generated
-from mdlm_jax.model.spec import decoding_pair, next_token_view
+from mdlm_jax.model.spec import decoding_pair, next_token_view, resolve_decode_dtype
 from mdlm_jax.model.transformer import INT8_ACTIVATION_BITS
 from mdlm_jax.engine import slots as slots_lib
 from mdlm_jax.engine.requests import ContextLengthExceeded, EngineClosed, Event, QueueFull, Request
@@ -69,7 +69,9 @@ class Engine:
   `decode_dtype="int8"` (or "w8a8"): the copy for passes over a few slots holds
   weight-only int8 weights (a quarter of the bytes a pass reads); on CPU it
   also serves prefills of up to the int8 kernel's rows (`int8_prefill_rows`),
-  as the AR path's int8 copy does.
+  as the AR path's int8 copy does; "auto": the fastest where the weights live
+  (`resolve_decode_dtype`; the server's default). `decode_dtype` holds the
+  one in use.
   `grammar_policy`: how much of a constrained pass's grammatical prefix to
   commit (`grammar.Constraint.accept`).
   `admit_batch`: the most requests admitted in one turn that share a prefill
@@ -128,6 +130,7 @@ class Engine:
     if context < bs + 1:
       raise ValueError(f"max_context ({context}) must hold a prompt token and a block of {bs}")
     max_prompt = min(max_prompt, context - bs)
+    self.decode_dtype = decode_dtype = resolve_decode_dtype(loaded, decode_dtype, weight_layout)
     few, many = decoding_pair(loaded, weight_layout, decode_dtype)
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh

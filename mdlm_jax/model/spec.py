@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from mdlm_jax.model.transformer import (DECODE_DTYPES, INT8_ACTIVATION_BITS, ModelConfig, Transformer,
+from mdlm_jax import kernels
+from mdlm_jax.model.transformer import (DECODE_DTYPE_CHOICES, INT8_ACTIVATION_BITS, ModelConfig, Transformer,
                                         adapters_fit_bfloat16, convert_weight_layout, quantize_for_decoding)
 from mdlm_jax.model.stacked import stack_blocks
 from mdlm_jax.parallel import sharding
@@ -109,15 +110,36 @@ def next_token_view(loaded: Any) -> Any:
   return dataclasses.replace(loaded, spec=spec)
 
 
+def resolve_decode_dtype(loaded: Any, decode_dtype: str, layout: str | None = None) -> str:
+  """`decode_dtype` itself, or for "auto" the one this model decodes fastest
+  in where its params live: "w8a8" on one CPU device where the C++ int8
+  kernels build (SmolLM2-135M's AR step 1.8x llama.cpp's Q4_1 there, against
+  0.4x in float32; the text moves by rounding only, see
+  docs/weight-layouts.md), else "float32": an accelerator's products run in
+  the model's own dtype, XLA:CPU's convert-then-dot without the kernels runs
+  a one-row pass 8-9x slower than float32, and an int8 copy holds neither a
+  model sharded over devices nor a layout other than "out_in"."""
+  if decode_dtype not in DECODE_DTYPE_CHOICES:
+    raise ValueError(f"unknown decode dtype {decode_dtype!r}; choose from {DECODE_DTYPE_CHOICES}")
+  if decode_dtype != "auto":
+    return decode_dtype
+  first = jax.tree.leaves(loaded.params)[0]
+  devices = first.sharding.device_set
+  one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
+  if one_cpu and layout in (None, "out_in") and kernels.int8.native_kernel_ready():
+    return "w8a8"
+  return "float32"
+
+
 def for_decoding(loaded: Any, layout: str | None = None, decode_dtype: str = "float32") -> Any:
   """The model in weight layout `layout`, by default the one that decodes
   fastest where its params live: "out_in" on CPU (a few token rows per pass
   read an [out, in] weight up to 2.5x faster there), as loaded elsewhere.
   `decode_dtype="int8"` stores the matmul weights in weight-only int8
   (`with_int8_weights`; the layout is then "out_in"); "w8a8" the same
-  weights, their products rounding token rows to 8 bits in groups."""
-  if decode_dtype not in DECODE_DTYPES:
-    raise ValueError(f"unknown decode dtype {decode_dtype!r}; choose from {DECODE_DTYPES}")
+  weights, their products rounding token rows to 8 bits in groups; "auto"
+  whichever `resolve_decode_dtype` picks."""
+  decode_dtype = resolve_decode_dtype(loaded, decode_dtype, layout)
   if decode_dtype in INT8_ACTIVATION_BITS:
     if layout not in (None, "out_in"):
       raise ValueError(f"int8 decoding weights are stored [out, in]; weight layout {layout!r} cannot hold them")
@@ -159,7 +181,9 @@ def decoding_pair(loaded: Any, layout: str | None = None, decode_dtype: str = "f
   """(model for passes over few token rows, model for more): both in `layout`
   when given; else, on CPU, the [out, in] copy (int8 with `decode_dtype`) and
   the trained layout in float32 (past layers.FEW_ROWS rows the trained layout
-  is the faster, and a long prompt's prefill stays exact); elsewhere as loaded."""
+  is the faster, and a long prompt's prefill stays exact); elsewhere as loaded.
+  Resolve an "auto" `decode_dtype` first (`resolve_decode_dtype`) to know
+  which the few-rows copy holds."""
   few = for_decoding(loaded, layout, decode_dtype)
   if layout is not None or few is loaded:
     return few, few

@@ -362,6 +362,9 @@ def embed(table, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
 # the same weights, token rows rounded to int8 in groups of 32 columns
 # (`kernels.int8`), whose products run twice the multiplies an instruction.
 DECODE_DTYPES = ("float32", "int8", "w8a8")
+# What the command lines take: a decode dtype, or "auto" for the one this
+# machine decodes fastest in (`spec.resolve_decode_dtype`).
+DECODE_DTYPE_CHOICES = ("auto", *DECODE_DTYPES)
 # The int8 decode dtypes and the bits their products round token rows to.
 INT8_ACTIVATION_BITS = {"int8": 16, "w8a8": 8}
 

@@ -18,7 +18,7 @@ from mdlm_jax.parallel import sharding
 from mdlm_jax.checkpoints.loading import LoadedModel
 from mdlm_jax.data import fim
 from mdlm_jax.data.tokenizer import never_generated
-from mdlm_jax.model.spec import bind, decoding_pair, for_decoding
+from mdlm_jax.model.spec import bind, decoding_pair, for_decoding, resolve_decode_dtype
 from mdlm_jax.model.layers import FEW_ROWS
 from mdlm_jax.sampling.canvas import Canvas, make_canvas
 from mdlm_jax.model.kv_cache import KVCache
@@ -73,9 +73,11 @@ class Generator:
     `weight_layout`: decode from a copy of the weights in this layout. By
     default, on CPU, calls whose passes carry few token rows read an [out, in]
     copy and larger ones the trained layout (`model.spec.decoding_pair`).
-    `decode_dtype="int8"` (or "w8a8"): that few-row copy holds int8 weights.
+    `decode_dtype="int8"` (or "w8a8"): that few-row copy holds int8 weights;
+    "auto": the fastest where the weights live (`resolve_decode_dtype`).
     `draft_table`: revising samplers with `lookup` also draft from the
     model's table of its own answers, where it has one (`sampling.draft_table`)."""
+    self.decode_dtype = decode_dtype = resolve_decode_dtype(loaded, decode_dtype, weight_layout)
     self._few, self._many = decoding_pair(loaded, weight_layout, decode_dtype)
     loaded = self._few
     self.loaded, self.mesh = loaded, mesh
@@ -256,6 +258,7 @@ class ARGenerator:
                decode_dtype: str = "float32", draft_table: bool = True):
     if not loaded.spec.cfg.causal:
       raise ValueError("this checkpoint is a diffusion model; use Generator")
+    self.decode_dtype = decode_dtype = resolve_decode_dtype(loaded, decode_dtype, weight_layout)
     loaded = for_decoding(loaded, weight_layout, decode_dtype)
     self.loaded, self.mesh, self.tok = loaded, mesh, loaded.tokenizer
     self.fim = fim.format_for(loaded.config, self.tok)  # a twin trained with FIM infills from the PSM prompt

@@ -24,15 +24,19 @@ def eval_mesh(mesh_text: str | None):
 
 def evaluate_checkpoint(checkpoint_path, data_path=None, text_field=None, num_batches=None, batch_size=None,
                         time_samples=None, seed=None, raw_params=False, mesh_text=None, profile=0,
-                        seq_len=None) -> dict:
+                        seq_len=None, decode_dtype="float32") -> dict:
   from mdlm_jax import data
   from mdlm_jax.training import evaluation
   from mdlm_jax.diffusion import objectives
   from mdlm_jax import checkpoints
+  from mdlm_jax.model.spec import for_decoding, resolve_decode_dtype
   import jax
   mesh = eval_mesh(mesh_text)
   loaded = checkpoints.load(checkpoint_path, mesh=mesh, use_ema=not raw_params)
   c = loaded.config
+  decode_dtype = resolve_decode_dtype(loaded, decode_dtype)
+  if decode_dtype != "float32":  # the int8 copy a decoder reads, its adapters joined
+    loaded = for_decoding(loaded, decode_dtype=decode_dtype)
   text_field = text_field or c.data.text_field
   if data_path:
     docs = data.load_all_documents(data_path, text_field)
@@ -59,7 +63,7 @@ def evaluate_checkpoint(checkpoint_path, data_path=None, text_field=None, num_ba
     res["profile"] = evaluation.bound_profile(loaded.spec, objective, loaded.params, batches, time_samples=profile,
                                               seed=c.eval.seed if seed is None else seed)
   res.update({"checkpoint": checkpoint_path, "step": loaded.step, "seq_len": seq_len or c.data.seq_len,
-              "objective": c.objective,
+              "objective": c.objective, "decode_dtype": decode_dtype,
               "data": data_path or f"{c.data.corpus} (validation)",
               "params": "raw" if raw_params or not loaded.has_ema else "ema"})
   return res

@@ -114,6 +114,29 @@ def test_bad_decode_dtypes_are_refused(diffusion):
     Generator(diffusion, weight_layout="in_out", decode_dtype="int8")
 
 
+
+def test_auto_picks_w8a8_on_one_cpu_with_the_kernels_and_float32_elsewhere(diffusion, monkeypatch):
+  from mdlm_jax.model.spec import resolve_decode_dtype
+  from mdlm_jax.parallel import sharding
+  for explicit in ("float32", "int8", "w8a8"):
+    assert resolve_decode_dtype(diffusion, explicit) == explicit
+  with pytest.raises(ValueError, match="unknown decode dtype 'fp8'"):
+    resolve_decode_dtype(diffusion, "fp8")
+  monkeypatch.setattr(int8, "native_kernel_ready", lambda: True)
+  assert resolve_decode_dtype(diffusion, "auto") == "w8a8"
+  assert resolve_decode_dtype(diffusion, "auto", layout="out_in") == "w8a8"
+  assert resolve_decode_dtype(diffusion, "auto", layout="in_out") == "float32"  # no int8 copy in that layout
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4}, jax.devices()[:4])
+  sharded = checkpoints.load(packaged.path(packaged.DIFFUSION), mesh=mesh)
+  assert resolve_decode_dtype(sharded, "auto") == "float32"  # the int8 copy lives on one device
+  monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
+  assert resolve_decode_dtype(diffusion, "auto") == "float32"  # XLA's convert-then-dot is the slower
+  # what the generators and the engine hold is the resolved one
+  assert Generator(diffusion, decode_dtype="auto").decode_dtype == "float32"
+  monkeypatch.setattr(int8, "native_kernel_ready", lambda: True)
+  gen = Generator(diffusion, decode_dtype="auto")
+  assert gen.decode_dtype == "w8a8" and isinstance(gen.loaded.params["embedding"], kernels.QuantizedWeight)
+
 def block_pass_logits(spec, params, tokens):
   """The logits of one pass over a fresh cache that keeps the first half of
   `tokens` [1, 8] as a clean head and denoises the second as a block."""
@@ -183,3 +206,25 @@ def test_the_int8_copy_holds_each_kind_of_block_array_once_and_decodes_as_one_ar
   logits = functools.partial(block_pass_logits, q.spec, tokens=tokens)
   want = logits(apart)
   np.testing.assert_allclose(logits(q.params), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_eval_scores_the_int8_copy_as_the_dequantized_model_scores():
+  """`eval --decode_dtype`: the perplexity of the weights a decoder reads."""
+  from mdlm_jax import data
+  from mdlm_jax.diffusion import objectives
+  from mdlm_jax.training import checkpoint_eval, evaluation
+  path = packaged.path(packaged.AR)
+  got = checkpoint_eval.evaluate_checkpoint(path, num_batches=2, batch_size=2, decode_dtype="int8")
+  trained = checkpoint_eval.evaluate_checkpoint(path, num_batches=2, batch_size=2)
+  assert (got["decode_dtype"], trained["decode_dtype"]) == ("int8", "float32")
+  loaded = checkpoints.load(path)
+  c = loaded.config
+  reference = dequantized(for_decoding(loaded, decode_dtype="int8"))
+  docs = data.load_documents(c.data.corpus, "validation", c.data.validation_fraction, c.data.text_field)
+  batches = data.make_eval_batches(docs, loaded.tokenizer, seq_len=c.data.seq_len, batch_size=2, num_batches=2)
+  want = evaluation.evaluate(reference.spec, objectives.from_config(c, loaded.tokenizer.mask_id), reference.params,
+                             batches, seed=c.eval.seed)
+  # the int8 products round token rows to 16 bits; the dequantized float32 model does not
+  assert got["nats_per_token"] == pytest.approx(want["nats_per_token"], rel=1e-4)
+  assert got["nats_per_token"] != trained["nats_per_token"]  # the int8 copy, not the trained weights, was scored
+  assert got["nats_per_token"] == pytest.approx(trained["nats_per_token"], rel=1e-2)

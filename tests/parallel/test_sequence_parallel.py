@@ -45,6 +45,9 @@ def test_attention_over_a_split_sequence_matches_the_reference(kind, dims):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   want = value_and_grads(lambda q, k, v: kernels.attention_reference(q, k, v, mask=mask))
+  # The loss sums many signed terms and can land near zero: float32 sums err
+  # relative to the sum of the terms' magnitudes, not to the sum.
+  loss_atol = 1e-5 * float(jnp.sum(jnp.abs(kernels.attention_reference(q, k, v, mask=mask) * r)))
   for layout in ({"sequence": 4}, {"data": 2, "sequence": 2}):
     mesh = mesh_of(**layout)
     with jax.set_mesh(mesh):
@@ -54,7 +57,7 @@ def test_attention_over_a_split_sequence_matches_the_reference(kind, dims):
           *(jax.device_put(x, split) for x in (q, k, v))).compile().as_text()
     # Keys and values move between the sequence shards (gathered, or regrouped with the batch split).
     assert any(op in hlo for op in ("all-gather", "all-to-all", "collective-permute")), layout
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, err_msg=f"loss, {layout}, seed {seed}")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=loss_atol, err_msg=f"loss, {layout}, seed {seed}")
     for name, a, e in zip("qkv", got[1], want[1]):
       np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5, err_msg=f"d{name}, {layout}, seed {seed}")
 

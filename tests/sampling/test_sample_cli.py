@@ -28,6 +28,9 @@ def test_diffusion_cli_json(checkpoints):
   res = json.loads(r.stdout)
   assert len(res["completions"]) == 2 and res["forward_passes"] >= 1
   assert all(c["tokens"] <= 12 for c in res["completions"])
+  from mdlm_jax import kernels
+  # by default the weights this machine decodes fastest in: w8a8 on a CPU where the int8 kernels build
+  assert res["decode_dtype"] == ("w8a8" if kernels.int8.native_kernel_ready() else "float32")
 
 
 @pytest.mark.slow
@@ -48,6 +51,10 @@ def test_ar_checkpoint(checkpoints):
           "--top-p=0.9", "--frequency-penalty=1", "--logit-bias=5=-100", "--json")
   assert r.returncode == 0, r.stderr
   assert json.loads(r.stdout)["forward_passes"] <= 5
+  r = run(f"--checkpoint={checkpoints['ar']}", "--prompt=import ", "--max-new-tokens=3", "--decode-dtype=float32",
+          "--json")
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout)["decode_dtype"] == "float32"
 
 
 @pytest.mark.parametrize("args,message", [
