@@ -48,8 +48,18 @@ from jaxtyping import Array, Bool, Float, Int8, Int32
 # and prefilling from the copy that decodes keeps the prompt's keys and values
 # the bits the AR path computes (docs/sampling.md); the one-shot generator
 # encodes a prompt and its first block in its decoding program (68 rows for
-# a 64-token prompt).
-KERNEL_MAX_ROWS = 512
+# a 64-token prompt). Prefills of SmolLM2 (one row of N tokens, forward_cached,
+# 2026-11-28, another job on the machine, so read the ratios), w8a8 copy against
+# the float32 [in, out] one: 512 tokens 853 against 1,246 ms, 1,024 1,434 against
+# 2,673, 2,048 4,702 against 6,628, 4,096 12,847 against 15,772 (the attention
+# kernel's share grows with the square of the prompt): the copy that decodes is
+# the faster at every length measured. The limit is where a prompt's last row
+# stops being the same bits at every buffer width: a 1,400-token prompt of
+# SmolLM2 in w8a8 gives equal logits in buffers of 1,536 to 3,072 rows and other
+# ones at 4,096 (an XLA operation's; the products, the attention kernel and
+# RMSNorm were each checked equal at 4,096 rows), and the AR path pads prompts
+# to powers of two.
+KERNEL_MAX_ROWS = 2048
 FFI_TARGET = "mdlm_jax_int8_matmul"
 LORA_FFI_TARGET = "mdlm_jax_int8_lora_matmul"
 A8_FFI_TARGET = "mdlm_jax_int8_a8_matmul"
