@@ -21,14 +21,14 @@ def served(tiny_checkpoints, tmp_path_factory):
   folder = adapters_over(tiny_checkpoints["ar"], str(tmp_path_factory.mktemp("served") / "adapted"))
   engine, app = serve.build(serve.parse([f"--checkpoint={folder}", "--max-tokens=16", "--slots=2"]))
   engine.start()
-  yield TestClient(app), app.state.server.model_id
+  yield TestClient(app), app.state.server.model_id, engine.decode_dtype
   engine.close(deadline_s=1)
 
 
 def test_a_revising_completion_is_the_bases_greedy_text(served, tiny_checkpoints):
-  http, model = served
+  http, model, decode_dtype = served
   prompt = "def add(a, b):\n"
-  want = ARGenerator(checkpoints.load(tiny_checkpoints["ar"])).generate(
+  want = ARGenerator(checkpoints.load(tiny_checkpoints["ar"]), decode_dtype=decode_dtype).generate(
       [prompt], max_new_tokens=12, sampler=ARSampler(12, temperature=0.0)).completions[0].text
   body = {"model": model, "prompt": prompt, "max_tokens": 12, "revise": True, "temperature": 0}
   r = http.post("/v1/completions", json=body)
@@ -40,7 +40,7 @@ def test_a_revising_completion_is_the_bases_greedy_text(served, tiny_checkpoints
 
 
 def test_revise_where_it_cannot_work_is_a_400_naming_it(served):
-  http, model = served
+  http, model, _ = served
   for path, body in (("/v1/fim/completions", {"prompt": "def f(", "suffix": ")\n"}),
                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                "response_format": {"type": "json_object"}})):
@@ -49,9 +49,9 @@ def test_revise_where_it_cannot_work_is_a_400_naming_it(served):
 
 
 def test_lookup_copies_drafts_for_revision_and_is_refused_without_it(served, tiny_checkpoints):
-  http, model = served
+  http, model, decode_dtype = served
   prompt = "x = 1\n" * 6
-  want = ARGenerator(checkpoints.load(tiny_checkpoints["ar"])).generate(
+  want = ARGenerator(checkpoints.load(tiny_checkpoints["ar"]), decode_dtype=decode_dtype).generate(
       [prompt], max_new_tokens=12, sampler=ARSampler(12, temperature=0.0)).completions[0].text
   body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
   r = http.post("/v1/completions", json={**body, "revise": True, "lookup": 1})
