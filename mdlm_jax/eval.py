@@ -15,6 +15,7 @@ import json
 from absl import app, flags, logging
 
 from mdlm_jax import cli
+from mdlm_jax.model.transformer import DECODE_DTYPE_CHOICES
 from mdlm_jax.parallel import distributed
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "workdir, checkpoints/ folder or step folder")
@@ -29,7 +30,7 @@ _SEED = flags.DEFINE_integer("seed", None, "seed of the t/mask draws (default: c
 _RAW = flags.DEFINE_bool("raw_params", False, "evaluate the raw params instead of the EMA")
 _PROFILE = flags.DEFINE_integer("profile", 0, "diffusion only: also the bound's integrand at this many noise"
                                 " levels t, and by position in the block (where the bound is lost)")
-_DECODE_DTYPE = flags.DEFINE_enum("decode_dtype", "float32", ["auto", "float32", "int8", "w8a8"],
+_DECODE_DTYPE = flags.DEFINE_enum("decode_dtype", "float32", list(DECODE_DTYPE_CHOICES),
                                   "score with the weights a decoder reads (one device): float32 as trained, or"
                                   " the int8 copy `sample --decode-dtype` decodes from; the bound and perplexity"
                                   " then say what that rounding costs")
@@ -61,7 +62,8 @@ def main(argv):
   if _JSON.value:
     print(json.dumps(res))
   else:
-    print(f"{res['objective']} step {res['step']} ({res['params']} params) on {res['data']}: "
+    print(f"{res['objective']} step {res['step']} ({res['params']} params, {res['decode_dtype']} weights)"
+          f" on {res['data']}: "
           f"{evaluation.describe(res)}")
     if "profile" in res:
       print(evaluation.describe_profile(res["profile"]))

@@ -114,7 +114,6 @@ def test_bad_decode_dtypes_are_refused(diffusion):
     Generator(diffusion, weight_layout="in_out", decode_dtype="int8")
 
 
-
 def test_auto_picks_w8a8_on_one_cpu_with_the_kernels_and_float32_elsewhere(diffusion, monkeypatch):
   from mdlm_jax.model.spec import resolve_decode_dtype
   from mdlm_jax.parallel import sharding
@@ -136,6 +135,7 @@ def test_auto_picks_w8a8_on_one_cpu_with_the_kernels_and_float32_elsewhere(diffu
   monkeypatch.setattr(int8, "native_kernel_ready", lambda: True)
   gen = Generator(diffusion, decode_dtype="auto")
   assert gen.decode_dtype == "w8a8" and isinstance(gen.loaded.params["embedding"], kernels.QuantizedWeight)
+
 
 def block_pass_logits(spec, params, tokens):
   """The logits of one pass over a fresh cache that keeps the first half of
