@@ -55,6 +55,11 @@ def parse(argv):
                       " size). Copied and table drafts run past the model's block, so a wider head keeps more"
                       " tokens a pass (the packaged default's HumanEval chat answers: 2.12 a pass at 4, 2.51 at"
                       " 8); the text stays the base's")
+  p.add_argument("--model-drafts", action=argparse.BooleanOptionalAction, default=None,
+                 help="with revision: whether each pass also runs the model's masked block, whose proposals are"
+                      " drafts (--no-model-drafts: copies and the draft table draft, and a pass carries the head's"
+                      " rows alone). Default: off on CPU, where a pass costs about its rows, on elsewhere; the text"
+                      " stays the base's either way")
   p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
                  help="cached blocks (default for BD3-LM models, exact for them) or full-canvas passes (default for"
                       " models trained on whole sequences, exact for them; cached blocks ignore the masked blocks"
@@ -142,10 +147,11 @@ def main(argv=None):
     gen = generator_for(loaded, decode_dtype=a.decode_dtype)
     if loaded.spec.cfg.causal:
       diffusion_only = (a.sampler, a.steps, a.block_size, a.threshold, a.min_tokens, a.infill_lengths, a.revise,
-                        a.agreement, a.lookup, a.head_width)
+                        a.agreement, a.lookup, a.head_width, a.model_drafts)
       if a.show_steps or a.kv_cache is not None or any(v is not None for v in diffusion_only):
         raise ValueError("this checkpoint is autoregressive: --show-steps, --infill-lengths, --sampler, --steps,"
-                         " --block-size, --threshold, --min-tokens, --revise, --agreement, --lookup, --head-width and"
+                         " --block-size, --threshold, --min-tokens, --revise, --agreement, --lookup, --head-width,"
+                         " --[no-]model-drafts and"
                          " --[no-]kv-cache apply to diffusion models only")
       sampler = ARSampler(a.max_new_tokens, temperature=a.temperature or 0.0,
                           top_p=1.0 if a.top_p is None else a.top_p, presence_penalty=a.presence_penalty or 0.0,
@@ -157,7 +163,8 @@ def main(argv=None):
                                     steps=a.steps, block_size=a.block_size, threshold=a.threshold,
                                     temperature=a.temperature, top_p=a.top_p, min_tokens=a.min_tokens,
                                     kv_cache=a.kv_cache, revise=a.revise, agreement=a.agreement,
-                                    lookup=a.lookup, head_width=a.head_width, presence_penalty=a.presence_penalty,
+                                    lookup=a.lookup, head_width=a.head_width, model_drafts=a.model_drafts,
+                                    presence_penalty=a.presence_penalty,
                                     frequency_penalty=a.frequency_penalty, logit_bias=a.logit_bias or None)
       except ValueError as e:  # the sampler names its field; the user typed the flag
         raise ValueError(re.sub(r"^(\w+) must", lambda m: f"--{m.group(1).replace('_', '-')} must", str(e))) from e

@@ -56,6 +56,10 @@ def parse(argv):
   p.add_argument("--lookups", default=str(DRAFT_LOOKUP),
                  help="comma-separated: each revision setting again copying drafts from earlier in the text after"
                       f" this many matching tokens (0: the model's drafts only; at most {MAX_LOOKUP})")
+  p.add_argument("--model-drafts", default="auto",
+                 help="comma-separated auto/on/off: each revision setting with the model's masked block drafting"
+                      " in every pass (on), without it (off: copies and the table draft), or as the presets"
+                      " choose for this backend (auto)")
   p.add_argument("--draft-tables", default="on",
                  help="comma-separated on/off: each revision setting with lookup again drafting from the model's"
                       " table of its own answers (sampling.draft_table) or not; 'on' where the model has none"
@@ -94,6 +98,9 @@ def parse(argv):
     p.error(f"--lookups must be comma-separated integers, got {a.lookups!r}")
   if not a.lookups or any(not 0 <= x <= MAX_LOOKUP for x in a.lookups):
     p.error(f"--lookups must be in [0, {MAX_LOOKUP}]")
+  a.model_drafts = [x.strip() for x in a.model_drafts.split(",") if x.strip()]
+  if not a.model_drafts or any(x not in ("auto", "on", "off") for x in a.model_drafts):
+    p.error(f"--model-drafts must be a comma-separated subset of auto,on,off, got {a.model_drafts!r}")
   a.draft_tables = [x.strip() for x in a.draft_tables.split(",") if x.strip()]
   if not a.draft_tables or any(x not in ("on", "off") for x in a.draft_tables):
     p.error(f"--draft-tables must be a comma-separated subset of on,off, got {a.draft_tables!r}")
@@ -222,9 +229,12 @@ def main(argv=None):
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
   has_table = adapted.draft_table is not None
-  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table):
-                   {"revise": True, "threshold": t, "agreement": g, "lookup": n}
-                   for t in a.revise_thresholds for g in a.agreements for n in a.lookups for table in a.draft_tables})
+  drafts = {"auto": None, "on": True, "off": False}
+  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table, drafts[m]):
+                   {"revise": True, "threshold": t, "agreement": g, "lookup": n,
+                    **({} if drafts[m] is None else {"model_drafts": drafts[m]})}
+                   for t in a.revise_thresholds for g in a.agreements for n in a.lookups for table in a.draft_tables
+                   for m in a.model_drafts})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
@@ -258,12 +268,15 @@ def main(argv=None):
   finish(result, a, plot)
 
 
-def revision_name(threshold: float, agreement: float, lookup: int = 0, table: bool = False) -> str:
+def revision_name(threshold: float, agreement: float, lookup: int = 0, table: bool = False,
+                  model_drafts: bool | None = None) -> str:
   """A revision setting's row: its draft threshold, its agreement where below
-  1, its lookup where drafts are copied and whether the model's draft table
-  chains more."""
+  1, its lookup where drafts are copied, whether the model's draft table
+  chains more and, where set rather than the presets' choice, whether the
+  model's masked block drafts."""
   return (f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
-          + (f"+lookup{lookup}" if lookup else "") + ("+table" if table else ""))
+          + (f"+lookup{lookup}" if lookup else "") + ("+table" if table else "")
+          + ("" if model_drafts is None else "+model-drafts" if model_drafts else "+no-model-drafts"))
 
 
 def _effort(name: str) -> str:

@@ -246,7 +246,7 @@ class EngineBackend:
                          **({} if passes_per_turn is None else {"passes_per_turn": passes_per_turn})).warmup().start()
     self.sampler = self.engine.sampler_for(effort, temperature=temperature, **overrides)
     # Infilling requests cannot be revised: they decode as the effort does without.
-    infill = {k: v for k, v in overrides.items() if k not in ("revise", "agreement", "lookup")}
+    infill = {k: v for k, v in overrides.items() if k not in ("revise", "agreement", "lookup", "model_drafts")}
     self.infill_sampler = self.engine.sampler_for(effort, temperature=temperature, revisable=False, **infill)
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:

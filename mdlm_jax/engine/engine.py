@@ -261,7 +261,8 @@ class Engine:
           self._run_pass(rows, with_head)
         if revises:
           for passes in sorted({1, self.passes_per_turn}):
-            self._run_pass(rows, True, revising=True, passes=passes)
+            for head_only in (False, True) if not presets.model_drafts_pay() else (False,):
+              self._run_pass(rows, True, revising=True, passes=passes, head_only=head_only)
       _request_key(0)  # the key derivation compiles too, where it runs on the device
       jax.block_until_ready(self._state)
     return self
@@ -502,6 +503,7 @@ class Engine:
             self.stats["steps"] += 1
             self.stats["steps_with_head" if turn.with_head else "steps_without_head"] += 1
             self.stats["steps_guided"] += int(turn.guided)
+            self.stats["steps_head_only"] += int(turn.head_only)
             self.stats["steps_run_ahead"] += int(ahead)
             dispatched = (self._view, list(self._slots))
             if ahead:
@@ -606,6 +608,10 @@ class Engine:
       turn.rows, turn.with_head = self._rows_for(busy[-1] + 1), self._pass_with_head(busy) or turn.revising
       turn.guided = any(self._slots[i].constraint is not None for i in busy)
       turn.logprobs = any(self._slots[i].request.logprobs is not None for i in busy)
+      # Without the masked block when no busy request wants the model's drafts.
+      turn.head_only = (not turn.logprobs and not turn.guided
+                        and all(self._slots[i].request.sampler.revises
+                                and not getattr(self._slots[i].request.sampler, "model_drafts", True) for i in busy))
       turn.passes = self._passes_for(turn, busy)
     return turn
 
@@ -695,7 +701,8 @@ class Engine:
                           np.stack([turn.admits[i][2] for i in group]), np.asarray([last[i] for i in group]),
                           resume=resume)
     if turn.rows:
-      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides, turn.revising, turn.passes)
+      self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides, turn.revising, turn.passes,
+                     turn.head_only)
 
   def _guide_arrays(self, guides):
     """`slots.guide`'s operands for a turn's guides: tokens land at their
@@ -717,19 +724,23 @@ class Engine:
     return self._few if token_rows <= self._few_rows else self._many
 
   def _run_pass(self, rows: int, with_head: bool, guided: bool = False, logprobs: bool = False,
-                guides=(), revising: bool = False, passes: int = 1) -> None:
+                guides=(), revising: bool = False, passes: int = 1, head_only: bool = False) -> None:
     """One refinement pass over slots [0, rows): each carries its block, and
     with `with_head` the finished block before it too. `guided`: the pass
     for while a constrained request is busy, the host's `guides` for the
     constrained rows written first in the same program (one dispatch a pass).
-    `revising`: a busy request revises (`slots.step`). `passes`: up to that
-    many in the one launch (`_passes_for`)."""
-    programs = self._programs_for(rows * self.sc.block_size * (2 if with_head else 1))
+    `revising`: a busy request revises (`slots.step`); `head_only`: every
+    busy request revises without the model's drafts, and the pass carries
+    their heads alone. `passes`: up to that many in the one launch
+    (`_passes_for`)."""
+    per_row = 1 if head_only else (2 if with_head else 1)
+    programs = self._programs_for(rows * self.sc.block_size * per_row)
     ops = self._guide_arrays(guides) if guided else None
-    self._signatures["passes"].add((id(programs.model), rows, with_head, logprobs, guided, revising, passes))
+    self._signatures["passes"].add((id(programs.model), rows, with_head, logprobs, guided, revising, passes,
+                                    head_only))
     self._state, self._view, self._guided_out, self._logprob_out = programs.step(
         programs.leaves, self._state, ops, self.draft_table if revising else None, rows=rows, with_head=with_head,
-        logprobs=logprobs, revising=revising, passes=passes)
+        logprobs=logprobs, revising=revising, passes=passes, head_only=head_only)
 
   def _deactivate(self, rows: Sequence[int]) -> None:
     if rows:

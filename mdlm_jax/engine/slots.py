@@ -206,7 +206,7 @@ def cancel(slots: Slots, row) -> Slots:
 
 
 def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = True, guided: bool = False,
-         logprobs: bool = False, revising: bool = False, table=None) -> Slots:
+         logprobs: bool = False, revising: bool = False, table=None, head_only: bool = False) -> Slots:
   """One refinement pass over every slot (idle slots ride along, committing nothing).
 
   with_head=True: each slot sends [its finished block, if any | its current
@@ -220,7 +220,10 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   [their next token and drafts | a masked block after them] instead, and keep
   what the base's causal pass verifies (`rule.verify`); the others decode
   their blocks as above in the same pass. `table` (a `DraftTable` or None):
-  revising rows with `lookup` also draft from it."""
+  revising rows with `lookup` also draft from it. `head_only` (static, with
+  `revising`; every busy row revises, none asks for log-probabilities): the
+  pass carries the heads alone, no masked block, so the next drafts come from
+  copies and the table only (`ThresholdSampler.model_drafts`)."""
   model = bind(spec, params)
   bs = sc.block_size
   lo = s.block * bs
@@ -234,6 +237,8 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   keys = rule.pass_keys(s.key, s.block, s.step)
   rev = s.decoding.revise & s.active
   block_rows = s.active & ~s.decoding.revise  # revising rows move only in revising passes
+  if head_only and (not revising or guided or logprobs):
+    raise ValueError("a pass of heads alone is a revising pass without guided rows or log-probabilities")
   if revising:
     if not with_head:
       raise ValueError("revising rows need passes with heads")
@@ -241,15 +246,23 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     head_valid = s.head & moving
     at = (s.prompt_len + s.filled)[:, None]
     r = rev[:, None]
-    tokens = jnp.where(r, jnp.concatenate([s.ahead, jnp.full_like(tail, sc.mask_id)], 1),
-                       jnp.concatenate([take(s.gen, jnp.maximum(lo - bs, 0)), tail], 1))
-    positions = jnp.where(r, jnp.concatenate([at + lane, at + s.n_ahead[:, None] + 1 + lane], 1),
-                          jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], 1))
-    logits, pending = model.forward_speculative(tokens, positions, s.cache,
-                                                jnp.where(r, lane <= s.n_ahead[:, None], head_valid[:, None]))
     col = s.filled[:, None] + lane
-    columns = jnp.where(r, jnp.concatenate([col, col + s.n_ahead[:, None] + 1], 1),
-                        jnp.concatenate([columns - bs, columns], 1))
+    if head_only:
+      # The heads alone: their logits and, after them, the base's next token. A
+      # row that does not revise is idle here (the engine's plan): its first
+      # column stays valid so that no query reads nothing.
+      logits, pending = model.forward_speculative(s.ahead, at + lane, s.cache,
+                                                  jnp.where(r, lane <= s.n_ahead[:, None], lane == 0))
+      columns = jnp.concatenate([col, col[:, :1] + s.n_ahead[:, None] + 1], 1)
+    else:
+      tokens = jnp.where(r, jnp.concatenate([s.ahead, jnp.full_like(tail, sc.mask_id)], 1),
+                         jnp.concatenate([take(s.gen, jnp.maximum(lo - bs, 0)), tail], 1))
+      positions = jnp.where(r, jnp.concatenate([at + lane, at + s.n_ahead[:, None] + 1 + lane], 1),
+                            jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], 1))
+      logits, pending = model.forward_speculative(tokens, positions, s.cache,
+                                                  jnp.where(r, lane <= s.n_ahead[:, None], head_valid[:, None]))
+      columns = jnp.where(r, jnp.concatenate([col, col + s.n_ahead[:, None] + 1], 1),
+                          jnp.concatenate([columns - bs, columns], 1))
     keys = rule.pass_keys(s.key, jnp.where(rev, 0, s.block), jnp.where(rev, 0, s.step))  # one draw a column
     cache = None
   elif with_head:
@@ -282,6 +295,9 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     odds = rule.draft_odds(logits[:, :bs], s.ahead, sc.never_proposed)
     verifying = (x0[:, :bs], odds, kept_logp, None if top is None else tuple(x[:, :bs] for x in top))
     x0, conf = x0[:, bs:], conf[:, bs:]
+    if head_only:  # the base's next token and no drafts after it (conf -1: never offered)
+      x0 = jnp.concatenate([x0, jnp.full((x0.shape[0], bs - 1), sc.mask_id, x0.dtype)], 1)
+      conf = jnp.concatenate([conf, jnp.full((conf.shape[0], bs - 1), -1.0, conf.dtype)], 1)
     top = None if top is None else tuple(x[:, bs:] for x in top)
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.picks(d, conf, candidates, s.step)
@@ -466,13 +482,14 @@ def _map_rows(fn, s: Slots, *others: Slots) -> Slots:
 
 
 def step_first(spec: ModelSpec, sc: SlotConfig, rows: int, params, s: Slots, with_head: bool = True,
-               guided: bool = False, logprobs: bool = False, revising: bool = False, table=None) -> Slots:
+               guided: bool = False, logprobs: bool = False, revising: bool = False, table=None,
+               head_only: bool = False) -> Slots:
   """`step` over slots [0, rows) only: requests take the lowest free slots, so
   a lightly loaded engine runs passes as small as its load."""
   if rows == sc.num_slots:
-    return step(spec, sc, params, s, with_head, guided, logprobs, revising, table)
+    return step(spec, sc, params, s, with_head, guided, logprobs, revising, table, head_only)
   head = step(spec, sc, params, _map_rows(lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis), s), with_head,
-              guided, logprobs, revising, table)
+              guided, logprobs, revising, table, head_only)
   out = _map_rows(lambda x, axis, new: lax.dynamic_update_slice_in_dim(x, new, 0, axis), s, head)
   # The pass read and wrote its rows' keys and values in the whole buffers, in
   # place: no copy of the rows in, none back (at a long context, copying them
@@ -519,8 +536,8 @@ def state_packing(spec: ModelSpec, sc: SlotConfig) -> packing_lib.Packing:
 def compile_programs(loaded, sc: SlotConfig) -> Programs:
   """(admit, pass, release) jitted over the packed slot state (`state_packing`),
   donated so it is updated in place. pass(leaves, state, guides, table, rows=k,
-  with_head=h, logprobs=l, revising=r, passes=p) compiles once per (k, h, l, r,
-  p) and whether `guides` and `table` are None; it runs up to `passes` passes
+  with_head=h, logprobs=l, revising=r, passes=p, head_only=o) compiles once per
+  (k, h, l, r, p, o) and whether `guides` and `table` are None; it runs up to `passes` passes
   in one launch, ending after the first pass in which a row ended. Given
   `guides` (the operands of `guide`), the host's commits for the constrained
   rows land first, in the same program, and the pass runs guided; `table` (a `DraftTable`) drafts for revising rows with
@@ -548,13 +565,14 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
   def admit_flat(leaves, state, *args, **kwargs):
     return packing.pack(admit(spec, sc, params_of(leaves), packing.unpack(state), *args, **kwargs))
 
-  def run(leaves, state, guides, table, rows, with_head=True, logprobs=False, revising=False, passes=1):
+  def run(leaves, state, guides, table, rows, with_head=True, logprobs=False, revising=False, passes=1,
+          head_only=False):
     params = params_of(leaves)
     state = packing.unpack(state)
     if guides is not None:
       state = guide(sc, state, *guides, logprobs=logprobs)
     one = functools.partial(step_first, spec, sc, rows, params, with_head=with_head, guided=guides is not None,
-                            logprobs=logprobs, revising=revising, table=table)
+                            logprobs=logprobs, revising=revising, table=table, head_only=head_only)
     state = one(state)
     if passes > 1:  # more passes until one of the rows ends (its slot is then free for the host to refill)
       decoding = jnp.sum(state.active[:rows])
@@ -574,5 +592,5 @@ def compile_programs(loaded, sc: SlotConfig) -> Programs:
 
   return Programs(loaded, leaves, packing, jax.jit(admit_flat, donate_argnums=(1,), static_argnames=("resume",)),
                   jax.jit(run, donate_argnums=(1,),
-                          static_argnames=("rows", "with_head", "logprobs", "revising", "passes")),
+                          static_argnames=("rows", "with_head", "logprobs", "revising", "passes", "head_only")),
                   jax.jit(release, donate_argnums=(0,)))

@@ -29,7 +29,8 @@ class Turn:
   bitmask, how many of the tokens the last pass proposed)], then run one
   pass over the first `rows` slots (none when 0), `guided` when a
   constrained row is busy, `logprobs` when a busy request asked for them
-  and `revising` when a busy request revises; `passes` > 1: up to that many
+  and `revising` when a busy request revises (`head_only` when every busy
+  request revises without the model's drafts); `passes` > 1: up to that many
   passes in one launch (each row stops where it ends). `stop` ends every
   process's loop."""
   stop: bool = False
@@ -42,6 +43,7 @@ class Turn:
   logprobs: bool = False
   revising: bool = False
   passes: int = 1
+  head_only: bool = False
 
 
 # A request's decoding settings travel to the other processes as the rule's name (its
@@ -64,7 +66,7 @@ def encode(turn: Turn, sc) -> dict[str, np.ndarray]:
   """A turn as fixed-shape arrays, the same shapes on every process (for a broadcast)."""
   n = sc.num_slots
   out = {"head": np.asarray([turn.stop, len(turn.admits), turn.rows, turn.with_head, turn.guided, len(turn.guides),
-                             turn.logprobs, turn.revising, turn.passes], np.int32),
+                             turn.logprobs, turn.revising, turn.passes, turn.head_only], np.int32),
          "release": np.zeros(n, np.int32), "ints": np.zeros((n, _REQUEST_INTS + len(_INT_SETTINGS)), np.int32),
          "floats": np.zeros((n, len(_FLOAT_SETTINGS)), np.float32), "keys": np.zeros((n, 2), np.uint32),
          "prompts": np.zeros((n, sc.max_prompt), np.int32), "guide_ints": np.zeros((n, 4), np.int32),
@@ -92,7 +94,8 @@ def encode(turn: Turn, sc) -> dict[str, np.ndarray]:
 def decode(a: dict[str, np.ndarray], sc) -> Turn:
   """The turn `encode` wrote: what touches the device. Stop strings and seeds
   stay on process 0 (text matching is host work; the key is sent instead)."""
-  stop, n_admits, rows, with_head, guided, n_guides, logprobs, revising, passes = (int(v) for v in a["head"])
+  stop, n_admits, rows, with_head, guided, n_guides, logprobs, revising, passes, head_only = (
+      int(v) for v in a["head"])
   admits = []
   for i in range(n_admits):
     row, plen, max_tokens, slen, start, end, rule_index = (int(v) for v in a["ints"][i, :_REQUEST_INTS])
@@ -110,4 +113,4 @@ def decode(a: dict[str, np.ndarray], sc) -> Turn:
             for i, (row, k, cursor, proposed) in enumerate(a["guide_ints"][:n_guides])]
   return Turn(stop=bool(stop), release=np.flatnonzero(a["release"]).tolist(), admits=admits, guides=guides,
               rows=rows, with_head=bool(with_head), guided=bool(guided), logprobs=bool(logprobs),
-              revising=bool(revising), passes=passes)
+              revising=bool(revising), passes=passes, head_only=bool(head_only))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from mdlm_jax.sampling.samplers import SAMPLERS, ThresholdSampler
 
 BLOCK = 32  # the block size of models not trained with BD3-LM
@@ -38,7 +40,8 @@ PRESETS = {
 EFFORTS = tuple(PRESETS)
 DEFAULT_EFFORT = "medium"
 _OVERRIDES = ("steps", "block_size", "threshold", "temperature", "top_p", "min_tokens", "kv_cache",
-              "presence_penalty", "frequency_penalty", "logit_bias", "revise", "agreement", "lookup", "head_width")
+              "presence_penalty", "frequency_penalty", "logit_bias", "revise", "agreement", "lookup", "head_width",
+              "model_drafts")
 
 
 def block_size_for(model_block_size: int) -> int:
@@ -106,6 +109,17 @@ DRAFT_THRESHOLD = 0.3
 DRAFT_LOOKUP = 2
 
 
+def model_drafts_pay() -> bool:
+  """Whether a revising pass carries the model's masked block by default.
+  On CPU a pass costs about its token rows: on the packaged default's
+  HumanEval chat answers the block (four more rows, with the adapters) made
+  a pass 1.4 to 1.6 times as long for 3% more tokens a pass than copies and
+  the draft table alone (docs/sampling.md), so there it is left out.
+  Elsewhere it stays: an accelerator's pass reads the weights once for any
+  few rows (not measured yet)."""
+  return jax.default_backend() != "cpu"
+
+
 def for_model(effort: str, model_block_size: int, *, sampler: str | None = None, in_order: bool = False,
               revisable: bool = True, **overrides):
   """What `effort` (with any overrides) decodes with on a model whose BD3-LM
@@ -150,6 +164,7 @@ def for_model(effort: str, model_block_size: int, *, sampler: str | None = None,
     if revise is None:
       revise = effort in BASE_FIRST_EFFORTS and revisable and changes.get("kv_cache", base.kv_cache) and block >= 2
     if revise:
-      changes.update(revise=True, threshold=changes.get("threshold", DRAFT_THRESHOLD),
-                     lookup=changes.get("lookup", DRAFT_LOOKUP))
+      lookup = changes.get("lookup", DRAFT_LOOKUP)
+      changes.update(revise=True, threshold=changes.get("threshold", DRAFT_THRESHOLD), lookup=lookup,
+                     model_drafts=changes.get("model_drafts", model_drafts_pay() or not lookup))
   return dataclasses.replace(base, **changes)  # validated once, as built

@@ -354,11 +354,19 @@ class ThresholdSampler(ConfidenceSampler):
   # model drafts a block at most, but copied and table drafts can run on, and
   # a quarter of the passes keep the whole of a block-wide head.
   head_width: int = 0
+  # With revise: False runs revising passes without the masked block, so a
+  # pass carries the head's token rows alone (and no adapters): the drafts
+  # then come from copies and the draft table (`lookup` > 0). On a CPU, where
+  # a pass costs about its token rows, that can outrun the model's drafts.
+  model_drafts: bool = True
 
   def __post_init__(self):
     super().__post_init__()
     if self.head_width and not self.revise:
       raise ValueError(f"head_width={self.head_width} is the width of revision's verified head: it needs revise=True")
+    if not self.model_drafts and not (self.revise and self.lookup):
+      raise ValueError("model_drafts=False leaves revision's drafts to copies and the draft table: it needs"
+                       f" revise=True and lookup > 0 (got revise={self.revise}, lookup={self.lookup})")
     if self.head_width and self.head_width < self.block_size:
       raise ValueError(f"head_width must be 0 or at least the block size {self.block_size}, got {self.head_width}")
     if self.revise and (not self.kv_cache or self.block_size < 2 or self.fused_head):
@@ -415,10 +423,13 @@ class ThresholdSampler(ConfidenceSampler):
       f, head, n_ok = s["filled"], s["ahead"], s["n_ahead"]
       at = (pos0 + f)[:, None]
       pos = jnp.concatenate([at + head_lane, at + n_ok[:, None] + 1 + lane], 1)
-      blank = jnp.full((B, bs), lay.mask_id, jnp.int32)
+      tail_lane = lane if self.model_drafts else lane[:, :1]  # without the block, the base's next token only
+      if not self.model_drafts:
+        pos = pos[:, :hw]
+      blank = jnp.full((B, bs if self.model_drafts else 0), lay.mask_id, jnp.int32)
       logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"],
                                             head_lane <= n_ok[:, None])
-      columns = jnp.concatenate([f[:, None] + head_lane, (f + n_ok + 1)[:, None] + lane], 1)
+      columns = jnp.concatenate([f[:, None] + head_lane, (f + n_ok + 1)[:, None] + tail_lane], 1)
       logits = self._moved(logits, lay, s["tokens"], valid)
       x0, conf = rule.propose(logits, pass_keys, columns, lay.never_proposed, self.temperature, self.top_p)
       odds = rule.draft_odds(logits[:, :hw], head, lay.never_proposed) if self.agreement < 1.0 else None

@@ -70,6 +70,11 @@ def test_revision_alone_is_a_setting_and_nothing_at_all_is_refused(capsys):
 def test_draft_tables_are_on_or_off(capsys):
   assert a2d.parse(["--draft-tables=on,off"]).draft_tables == ["on", "off"]
   assert a2d.revision_name(0.3, 1.0, 2, True) == "0.3+revise+lookup2+table"
+  assert a2d.revision_name(0.3, 1.0, 2, True, False) == "0.3+revise+lookup2+table+no-model-drafts"
   with pytest.raises(SystemExit):
     a2d.parse(["--draft-tables=yes"])
   assert "--draft-tables" in capsys.readouterr().err
+  assert a2d.parse(["--model-drafts=auto,off"]).model_drafts == ["auto", "off"]
+  with pytest.raises(SystemExit):
+    a2d.parse(["--model-drafts=sometimes"])
+  assert "--model-drafts" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 
 from mdlm_jax import checkpoints
 from mdlm_jax.engine.engine import Engine, Request
-from mdlm_jax.sampling import draft_table, grammar
+from mdlm_jax.sampling import draft_table, grammar, presets
 from mdlm_jax.sampling.ar import ARSampler
 from mdlm_jax.sampling.generate import ARGenerator, Generator
 from tests.conftest import adapted_from
@@ -70,7 +70,7 @@ def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
 def test_drafts_show_what_a_revising_row_sends_ahead_and_a_taken_back_token_changing(models, engine):
   """Random adapters draft noise: some draft shows a token the base then replaces."""
   from mdlm_jax.sampling.generate import MASK_TEXT
-  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, threshold=0.0)
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, threshold=0.0, model_drafts=True)
   h = engine.submit(Request(engine.encode(PROMPTS[0]), 16, sampler, seed=0), want_drafts=True)
   events = list(h.events(timeout=300))
   drafts = [ev.text for ev in events if ev.kind == "draft"]
@@ -79,6 +79,22 @@ def test_drafts_show_what_a_revising_row_sends_ahead_and_a_taken_back_token_chan
   def revised(prev, cur):
     return any(p != MASK_TEXT and c != MASK_TEXT and p != c for p, c in zip(prev, cur))
   assert any(revised(a, b) for a, b in zip(drafts, drafts[1:]))
+
+
+@pytest.mark.parametrize("model_drafts", [False, True])
+def test_passes_with_and_without_the_masked_block_are_the_generators(models, engine, model_drafts):
+  """Without the model's drafts a revising pass carries the heads alone (the CPU presets' choice), with them the
+  masked block too: either way the engine writes the base's text in the generator's passes."""
+  ar, adapted = models
+  prompt, n = "x = 1\n" * 4, 16
+  base = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, lookup=1, model_drafts=model_drafts)
+  heads_only = engine.stats["steps_head_only"]
+  got = engine.submit(Request(engine.encode(prompt), n, sampler, seed=0)).result(timeout=300)
+  want = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=sampler)
+  assert got.text == want.completions[0].text == base.completions[0].text
+  assert got.passes == want.forward_passes
+  assert (engine.stats["steps_head_only"] > heads_only) == (not model_drafts)
 
 
 def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
@@ -151,7 +167,8 @@ def test_copied_drafts_take_the_passes_the_generator_takes(models, chunk):
   finally:
     e.close(deadline_s=1)
   want = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=sampler)
-  own = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=dataclasses.replace(sampler, lookup=0))
+  own = Generator(adapted).generate([prompt], max_new_tokens=n,
+                                    sampler=dataclasses.replace(sampler, lookup=0, model_drafts=True))
   base = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
   assert got.text == want.completions[0].text == own.completions[0].text == base.completions[0].text
   chunks = -(-len(e.encode(prompt)) // chunk) if chunk else 1  # each prefill chunk counts as a pass
@@ -185,7 +202,9 @@ def test_warmup_compiles_the_revising_pass(models):
   import jax.monitoring
   _, adapted = models
   e = Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=8).warmup()
-  assert e.compiled()["passes"] == 4  # one slot: with a head, without, revising, revising passes_per_turn at once
+  # One slot: with a head, without, revising, revising passes_per_turn at once; on CPU each revising pass again
+  # with the heads alone (the presets' choice there).
+  assert e.compiled()["passes"] == 4 + 2 * (not presets.model_drafts_pay())
   compiles = []
   listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
   jax.monitoring.register_event_duration_secs_listener(listener)

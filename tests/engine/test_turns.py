@@ -16,14 +16,14 @@ SC = types.SimpleNamespace(num_slots=3, max_prompt=8, block_size=4, bitmask_word
 
 def samplers_unlike_the_default(rng) -> list:
   """Every travelling field of every rule the engine serves away from its default, in one sampler or
-  another (revise excludes the fused head; agreement, lookup and head_width go with revise): a field the encoding
-  forgot comes back wrong."""
+  another (revise excludes the fused head; agreement, lookup, head_width and model_drafts go with revise): a field
+  the encoding forgot comes back wrong."""
   out = []
   for kind in RULES.values():
     changes = _changed_fields(kind, rng)
     apart = [f for f in ("revise", "fused_head") if f in changes] or [None]
     for other in apart:
-      left_out = {other, "agreement", "lookup", "head_width"} if other == "revise" else {other}
+      left_out = {other, "agreement", "lookup", "head_width", "model_drafts"} if other == "revise" else {other}
       out.append(kind(block_size=SC.block_size, kv_cache=True,
                       **{k: v for k, v in changes.items() if k not in left_out}))
   return out
@@ -55,7 +55,9 @@ def test_every_setting_travels():
     request = Request([1, 2, 3], 8, sampler, suffix_ids=[7, 9])
     key = np.asarray(rng.integers(0, 1 << 31, 2), np.uint32)
     revising = getattr(sampler, "revise", False)
-    turn = Turn(release=[2], admits=[(1, request, key, 0, 5)], rows=2, with_head=True, revising=revising)
+    head_only = revising and not sampler.model_drafts
+    turn = Turn(release=[2], admits=[(1, request, key, 0, 5)], rows=2, with_head=True, revising=revising,
+                head_only=head_only)
     back = decode(encode(turn, SC), SC)
     (row, got, got_key, start, stop), = back.admits
     assert type(got.sampler) is type(sampler) and got.sampler == sampler
@@ -63,7 +65,7 @@ def test_every_setting_travels():
                                                                                                [7, 9], 8)
     np.testing.assert_array_equal(got_key, key)
     assert back.release == [2] and back.rows == 2 and back.with_head and not back.stop
-    assert back.revising == revising
+    assert back.revising == revising and back.head_only == head_only
 
 
 def test_turns_survive_the_broadcast_encoding():

@@ -148,15 +148,17 @@ def test_with_agreement_every_kept_token_is_one_the_base_rates_near_its_best(tin
       assert row[tok] - row.max() >= np.log(agreement) - 1e-3, (j, tok)
 
 
-@pytest.mark.parametrize("block_size, lookup, head_width, decode_dtype", [
-    pytest.param(2, 0, 0, "float32", marks=pytest.mark.slow), (4, 0, 0, "float32"), (4, 2, 0, "float32"),
-    (4, 2, 8, "float32"), (4, 2, 8, "w8a8")])
+@pytest.mark.parametrize("block_size, lookup, head_width, decode_dtype, model_drafts", [
+    pytest.param(2, 0, 0, "float32", True, marks=pytest.mark.slow), (4, 0, 0, "float32", True),
+    (4, 2, 0, "float32", True), (4, 2, 8, "float32", True), (4, 2, 8, "w8a8", True), (4, 2, 0, "float32", False),
+    (4, 2, 8, "w8a8", False)])
 def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_size, lookup, head_width,
-                                                       decode_dtype):
+                                                       decode_dtype, model_drafts):
   """Random adapters draft noise, copied drafts may be wrong, a head wider
-  than the block verifies more of them; the text is still the base's, token
-  for token. Also from int8 weights: a revising pass's rows round as the AR
-  step's one row does, so the base they verify against is the AR path's."""
+  than the block verifies more of them, and passes without the masked block
+  verify copies alone; the text is still the base's, token for token. Also
+  from int8 weights: a revising pass's rows round as the AR step's one row
+  does, so the base they verify against is the AR path's."""
   ar = checkpoints.load(tiny_checkpoints["ar"])
   adapted = adapted_from(ar, block_size=block_size)
   prompts = ["def add(a, b):\n", "x = 1\ny"]
@@ -164,7 +166,8 @@ def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_s
   want = ARGenerator(ar, decode_dtype=decode_dtype).generate(prompts, max_new_tokens=n,
                                                               sampler=ARSampler(n, temperature=0.0))
   got = Generator(adapted, decode_dtype=decode_dtype).generate(
-      prompts, max_new_tokens=n, sampler=revising(block_size, lookup=lookup, head_width=head_width))
+      prompts, max_new_tokens=n, sampler=revising(block_size, lookup=lookup, head_width=head_width,
+                                                   model_drafts=model_drafts))
   for w, g in zip(want.completions, got.completions):
     assert g.tokens == w.tokens
   assert got.forward_passes <= n + 1

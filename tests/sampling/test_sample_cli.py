@@ -71,6 +71,7 @@ def test_ar_checkpoint(checkpoints):
     (["--sampler=ancestral", "--frequency-penalty=1"], "--frequency-penalty does not apply to the AncestralSampler"),
     (["--lookup=2"], "lookup=2 offers copied drafts for revision to verify: it needs revise=True"),
     (["--head-width=8"], "head_width=8 is the width of revision's verified head: it needs revise=True"),
+    (["--no-model-drafts"], "model_drafts=False leaves revision's drafts to copies and the draft table"),
 ])
 def test_bad_flags(checkpoints, args, message):
   r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x", *args)

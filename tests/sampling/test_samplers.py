@@ -390,3 +390,19 @@ def test_medium_and_high_revise_a_prompts_answer_on_an_adapted_model_and_nothing
     for_model("medium", 4, in_order=True, revise=True, revisable=False)
   with pytest.raises(ValueError, match="threshold sampler"):
     for_model("medium", 4, in_order=True, revise=True, sampler="low_confidence")
+
+
+def test_revision_drafts_from_the_model_where_a_pass_reads_the_weights_once(monkeypatch):
+  """The presets leave the masked block out of revising passes on CPU (copies and the table draft), keep it on
+  an accelerator, and keep it wherever nothing else would draft (lookup 0); a caller may choose either."""
+  from mdlm_jax.sampling import presets
+  for backend, pays in (("cpu", False), ("gpu", True), ("tpu", True)):
+    monkeypatch.setattr(presets.jax, "default_backend", lambda b=backend: b)
+    assert presets.model_drafts_pay() == pays
+    assert presets.for_model("medium", 4, in_order=True).model_drafts == pays
+    assert presets.for_model("medium", 4, in_order=True, lookup=0).model_drafts
+    assert presets.for_model("high", 4, in_order=True, model_drafts=True).model_drafts
+  with pytest.raises(ValueError, match="model_drafts=False"):
+    presets.for_model("medium", 4, in_order=True, lookup=0, model_drafts=False)
+  with pytest.raises(ValueError, match="model_drafts=False"):
+    ThresholdSampler(block_size=4, kv_cache=True, model_drafts=False)
