@@ -611,7 +611,7 @@ class Engine:
       # Without the masked block when no busy request wants the model's drafts.
       turn.head_only = (not turn.logprobs and not turn.guided
                         and all(self._slots[i].request.sampler.revises
-                                and not getattr(self._slots[i].request.sampler, "model_drafts", True) for i in busy))
+                                and not self._slots[i].request.sampler.model_drafts for i in busy))
       turn.passes = self._passes_for(turn, busy)
     return turn
 

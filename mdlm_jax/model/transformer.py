@@ -263,8 +263,9 @@ class Transformer(nnx.Module):
     valid_new = jnp.concatenate([head_valid.astype(jnp.bool_), jnp.ones((b, n - h), jnp.bool_)], axis=1)
     noisy = jnp.broadcast_to(jnp.arange(n)[None] >= h, (b, n))
     valid, mask = cache.attention_spec(valid_new, causal=False, new_block=n - h, clean=~noisy)
-    x, written = self._trunk(tokens, None, positions, causal=False, mask=mask, cache=cache,
-                             noisy=noisy if cfg.lora_rank else None)
+    # No masked column (a pass of the head alone): no product runs the adapters.
+    adapted = (noisy if n > h else False) if cfg.lora_rank else None
+    x, written = self._trunk(tokens, None, positions, causal=False, mask=mask, cache=cache, noisy=adapted)
     head = jnp.concatenate([cache.last_hidden[:, None].astype(x.dtype), x[:, :h - 1]], axis=1)
     last = _last_kept(x[:, :h], jnp.sum(head_valid, axis=-1), cache.last_hidden)
     tail = jnp.concatenate([last[:, None], x[:, h:n - 1]], axis=1)

@@ -422,11 +422,9 @@ class ThresholdSampler(ConfidenceSampler):
     def body(s):
       f, head, n_ok = s["filled"], s["ahead"], s["n_ahead"]
       at = (pos0 + f)[:, None]
-      pos = jnp.concatenate([at + head_lane, at + n_ok[:, None] + 1 + lane], 1)
       tail_lane = lane if self.model_drafts else lane[:, :1]  # without the block, the base's next token only
-      if not self.model_drafts:
-        pos = pos[:, :hw]
       blank = jnp.full((B, bs if self.model_drafts else 0), lay.mask_id, jnp.int32)
+      pos = jnp.concatenate([at + head_lane, at + n_ok[:, None] + 1 + lane[:, :blank.shape[1]]], 1)
       logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"],
                                             head_lane <= n_ok[:, None])
       columns = jnp.concatenate([f[:, None] + head_lane, (f + n_ok + 1)[:, None] + tail_lane], 1)
