@@ -20,15 +20,37 @@ def load_config(name: str):
   return load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
 
 
+def _once_per_run(tmp_path_factory, worker_id: str, name: str, make):
+  """`make(folder)` run once for the whole test run, its JSON result shared by
+  every xdist worker through a file lock, so N workers do not train the same
+  tiny models N times. The folders it fills are read-only to the tests."""
+  import json
+  import shutil
+
+  import filelock
+  if worker_id == "master":  # no xdist
+    return make(tmp_path_factory.mktemp(name))
+  root = tmp_path_factory.getbasetemp().parent  # one folder per run, shared by its workers
+  done = root / f"{name}.json"
+  with filelock.FileLock(str(root / f"{name}.lock")):
+    if not done.is_file():
+      folder = root / name
+      shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed here left
+      folder.mkdir()
+      done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
-def tiny_tokenizer_path(tmp_path_factory):
+def tiny_tokenizer_path(tmp_path_factory, worker_id):
   """One small sentencepiece model on stdlib text, shared by the training tests."""
-  from mdlm_jax import data
-  from mdlm_jax.data.tokenizer import train_tokenizer
-  path = str(tmp_path_factory.mktemp("tok") / "tiny.model")
-  docs = data.load_documents("stdlib", "train", 0.05)
-  train_tokenizer(docs, path, vocab_size=512, max_chars=1_000_000)
-  return path
+  def make(folder):
+    from mdlm_jax import data
+    from mdlm_jax.data.tokenizer import train_tokenizer
+    path = str(folder / "tiny.model")
+    train_tokenizer(data.load_documents("stdlib", "train", 0.05), path, vocab_size=512, max_chars=1_000_000)
+    return path
+  return _once_per_run(tmp_path_factory, worker_id, "tok", make)
 
 
 @pytest.fixture
@@ -39,19 +61,21 @@ def tiny_config(tiny_tokenizer_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory, tiny_tokenizer_path):
+def tiny_checkpoints(tmp_path_factory, worker_id, tiny_tokenizer_path):
   """Two-step tiny training runs, {"mdlm": workdir, "ar": workdir}, for the
   tests that only need some trained checkpoint to read."""
-  from mdlm_jax.training import trainer
-  out = {}
-  for objective in ("mdlm", "ar"):
-    c = load_config("tiny")
-    c.data.tokenizer = tiny_tokenizer_path
-    c.objective, c.model.causal = objective, objective == "ar"
-    c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
-    out[objective] = str(tmp_path_factory.mktemp(objective))
-    trainer.train(c, out[objective])
-  return out
+  def make(folder):
+    from mdlm_jax.training import trainer
+    out = {}
+    for objective in ("mdlm", "ar"):
+      c = load_config("tiny")
+      c.data.tokenizer = tiny_tokenizer_path
+      c.objective, c.model.causal = objective, objective == "ar"
+      c.train.update(num_steps=2, checkpoint_every=2, log_every=1, eval_batches=1)
+      out[objective] = str(folder / objective)
+      trainer.train(c, out[objective])
+    return out
+  return _once_per_run(tmp_path_factory, worker_id, "tiny_checkpoints", make)
 
 
 def adapted_from(ar, *, lora_rank: int = 4, block_size: int = 2):

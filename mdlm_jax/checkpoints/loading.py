@@ -116,14 +116,19 @@ def frozen_base(config: ml_collections.ConfigDict) -> str:
   train.init_from, followed back through earlier adapter stages (a training
   run or an adapters-only folder that itself trained adapters over a base) to
   the first model that is not one (a registry name, a GGUF file, a full
-  checkpoint). "" when the run started from nothing."""
+  checkpoint). "" when the run started from nothing. Raises FileNotFoundError
+  when a folder along the way is gone, rather than naming it as the base."""
   import json
   from mdlm_jax.checkpoints import gguf_file, registry
-  base, seen = config.train.init_from, set()
-  while base and base not in registry.MODELS and os.path.exists(base) and not gguf_file.is_gguf(base):
+  base, seen = config.train.init_from, {}  # ordered, for the error message
+  while base and base not in registry.MODELS and not gguf_file.is_gguf(base):
+    if not os.path.exists(base):
+      chain = " -> ".join([*seen, base]) if seen else base
+      raise FileNotFoundError(f"train.init_from names {base!r}, which does not exist (followed {chain}); restore"
+                              " that folder or point init_from at a checkpoint that exists")
     if base in seen:
       raise ValueError(f"train.init_from loops back to {base}")
-    seen.add(base)
+    seen[base] = None
     if params_only.is_params_dir(base):
       with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
         meta = json.load(f)

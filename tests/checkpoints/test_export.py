@@ -123,3 +123,23 @@ def test_export_errors(tiny_checkpoints, tmp_path):
   os.remove(out / "tokenizer.model")
   with pytest.raises(params_only.ParamsFileError, match="lacks tokenizer.model"):
     checkpoints.load(str(out))
+
+
+def test_frozen_base_raises_naming_a_missing_stage(tmp_path):
+  """An adapter stage whose origin is gone is an error that names the chain, not a base: an
+  adapters-only export would otherwise record a folder that no longer exists."""
+  import ml_collections
+  from mdlm_jax.checkpoints.loading import frozen_base
+  stage = tmp_path / "stage"  # an adapters-only folder: config.json naming its base, and weights
+  stage.mkdir()
+  (stage / "config.json").write_text(json.dumps({"base": str(tmp_path / "gone")}))
+  safetensors.save_folder(str(stage), {"w": np.zeros(2, np.float32)}, max_shard_bytes=2**20)
+  config = ml_collections.ConfigDict({"train": {"init_from": str(stage)}})
+  with pytest.raises(FileNotFoundError, match=f"'{tmp_path / 'gone'}'.*followed {stage} -> {tmp_path / 'gone'}"):
+    frozen_base(config)
+  config.train.init_from = str(tmp_path / "never")
+  with pytest.raises(FileNotFoundError, match="never"):
+    frozen_base(config)
+  (tmp_path / "gone").mkdir()  # a folder with no checkpoint in it is read whole by `load`, which says what is wrong
+  config.train.init_from = str(stage)
+  assert frozen_base(config) == str(tmp_path / "gone")
