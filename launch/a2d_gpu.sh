@@ -24,10 +24,26 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 budget=$1 out=$2 init=${3:-mdlm_jax/assets/a2d_smollm2}
+if ! [[ $budget =~ ^[0-9]+$ ]] || [ "$budget" -le 120 ]; then
+  echo "SECONDS must be a whole number above 120 (the exports and each run's start take about 110), got '$budget'" >&2
+  exit 2
+fi
 runs=${A2D_RUNS:-/tmp/a2d_runs}
 export PYTHONUNBUFFERED=1  # progress lines reach the logs as they happen
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
+# until MARK GRACE CMD...: CMD, sent SIGTERM at MARK seconds into the budget and killed GRACE
+# seconds later; where the mark has passed it does not start (`timeout 0` would never stop it)
+# and returns 124, as a command stopped in time does.
+until_mark() {
+  local left=$(($1 - $(elapsed))) grace=$2
+  shift 2
+  if [ "$left" -le 0 ]; then
+    echo "no time left in the budget for: $*" >&2
+    return 124
+  fi
+  timeout -s TERM -k "$grace" "$left" "$@"
+}
 mkdir -p "$out" "$runs"
 chat=${A2D_CHAT:-data/a2d_chat4}
 [ -f "$chat/train.jsonl" ] || { echo "$chat/train.jsonl not found" >&2; exit 2; }
@@ -36,7 +52,7 @@ chat=${A2D_CHAT:-data/a2d_chat4}
 # A2D_SHARE_A percent of the rest.
 stage_a_end=$(((budget - 110) * ${A2D_SHARE_A:-45} / 100))
 stage_a() {  # FLAGS: stage A until its share of the budget is spent
-  timeout -s TERM -k 25 $((stage_a_end - $(elapsed))) python -m mdlm_jax.train --config=configs/a2d_smollm2.py \
+  until_mark "$stage_a_end" 25 python -m mdlm_jax.train --config=configs/a2d_smollm2.py \
     --workdir="$runs/a" --config.diffusion.block_size=4 --config.train.init_from="$init" \
     --config.data.seq_len=512 --config.data.batch_size=32 --config.data.shuffle_seed=5 \
     --config.optim.learning_rate=5e-4 --config.optim.warmup_steps=20 --config.train.num_steps=${A2D_STEPS_A:-800} \
@@ -55,8 +71,7 @@ from="$runs/a"
 [ -d "$runs/a/checkpoints" ] || from="$init"
 # Stage B stops early enough that its SIGTERM grace (25 s) and the export (up to 90 s:
 # the base and the checkpoint loaded again) still end inside the budget.
-stage_b=$((budget - 115 - $(elapsed)))
-timeout -s TERM -k 25 "$stage_b" python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py \
+until_mark $((budget - 115)) 25 python -m mdlm_jax.train --config=configs/a2d_smollm2_chat.py \
   --workdir="$runs/b" --config.train.init_from="$from" --config.data.corpus="$chat" \
   --config.data.batch_size=32 --config.data.shuffle_seed=5 --config.optim.learning_rate=3e-4 \
   --config.train.num_steps=800 --config.train.keep_checkpoints=12 --config.train.log_every=10 \
@@ -79,4 +94,5 @@ print(best[1] if best else last)
 PY
 )
 echo "exporting $best after $(elapsed) s"
-python -m mdlm_jax.export --checkpoint="$best" --out="$out/adapters" --adapters-only --overwrite
+until_mark $((budget - 5)) 5 python -m mdlm_jax.export --checkpoint="$best" --out="$out/adapters" --adapters-only \
+  --overwrite
