@@ -81,7 +81,8 @@ def test_drafts_show_what_a_revising_row_sends_ahead_and_a_taken_back_token_chan
   assert any(revised(a, b) for a, b in zip(drafts, drafts[1:]))
 
 
-@pytest.mark.parametrize("model_drafts", [False, True])
+@pytest.mark.parametrize("model_drafts", [False, pytest.param(True, marks=pytest.mark.slow)])  # CI: the CPU presets'
+# heads-only passes; the generator's tests run the model's drafts
 def test_passes_with_and_without_the_masked_block_are_the_generators(models, engine, model_drafts):
   """Without the model's drafts a revising pass carries the heads alone (the CPU presets' choice), with them the
   masked block too: either way the engine writes the base's text in the generator's passes."""

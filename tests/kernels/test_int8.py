@@ -299,7 +299,8 @@ def test_8_bit_products_add_joined_adapters_to_the_chosen_rows(kernel, monkeypat
 
 
 @BUILDS_GROUP
-@pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",)], ids=["no-vnni", "no-avx512"])
+@pytest.mark.parametrize("flags", [pytest.param(("-mno-avx512vnni",), marks=pytest.mark.slow), ("-mno-avx512f",)],
+                         ids=["no-vnni", "no-avx512"])  # CI: no AVX-512 at all, the plain loops too
 def test_the_8_bit_kernel_built_without_vnni_or_avx512_forms_the_same_sums(flags, kernels_built_with):
   """The 8-bit path's plain loops (no VNNI) and scalar rounding (no AVX-512)
   against the numpy reference, the largest products included: a group's sum

@@ -127,6 +127,7 @@ def test_settings_that_cannot_work_are_refused():
     ThresholdSampler(agreement=0.5)
 
 
+@pytest.mark.slow  # CI: the engine's agreement request decodes as the generator (tests/engine/test_revise.py)
 def test_with_agreement_every_kept_token_is_one_the_base_rates_near_its_best(tiny_checkpoints):
   """Checked against the AR base's own full forward pass over each answer, in float64."""
   ar = checkpoints.load(tiny_checkpoints["ar"])

@@ -698,6 +698,7 @@ def test_tool_calls_validate_streamed_or_not(tool_client):
                 for _, v in sorted(calls.items())])
 
 
+@pytest.mark.slow  # CI: the tool-call round trips above, streamed and not
 def test_an_agent_loop_runs_unchanged(tool_client):
   """The loop agent frameworks run: ask with tools (auto), execute the calls,
   append the assistant message object and the tool results, ask again."""

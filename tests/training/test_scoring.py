@@ -25,8 +25,14 @@ def test_ar_rows_match_a_float64_log_softmax():
   rows = [rng.integers(0, MASK, n).tolist() for n in (5, 70, 12)]
   context = [2, 0, 11]
   nll, count = Scorer(spec, ARObjective(), params)(rows, context)
-  for row, c, got, n in zip(rows, context, nll, count):
-    logits = np.asarray(bind(spec, params)(np.asarray([row], np.int32)), np.float64)[0]
+  # The reference: one forward of the rows padded at the end (a causal model's logits at a position do not
+  # read what follows it), jitted: eager, the model's op-by-op dispatch took seconds a row.
+  padded = np.zeros((len(rows), max(map(len, rows))), np.int32)
+  for i, row in enumerate(rows):
+    padded[i, :len(row)] = row
+  every = np.asarray(jax.jit(lambda p, x: bind(spec, p)(x))(params, padded), np.float64)
+  for row, c, got, n, logits in zip(rows, context, nll, count, every):
+    logits = logits[:len(row)]
     m = logits.max(-1, keepdims=True)
     logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
     first = max(c, 1)  # nothing predicts token 0
@@ -65,9 +71,9 @@ def test_diffusion_full_row_equals_the_objective_at_the_same_times(name):
   samples, seed = 2, 9
   row = np.random.default_rng(3).integers(0, MASK, 64)
   got, count = Scorer(spec, objective, params, time_samples=samples, seed=seed)([row.tolist()])
-  model = bind(spec, params)
-  want = np.mean([float(objective(model, row[None].astype(np.int32), jax.random.fold_in(jax.random.PRNGKey(seed), j),
-                                  objective.fixed_times(1, 64, (j + 0.5) / samples))[0]) for j in range(samples)])
+  loss = jax.jit(lambda p, x, key, t: objective(bind(spec, p), x, key, t))  # eager, each call took seconds
+  want = np.mean([float(loss(params, row[None].astype(np.int32), jax.random.fold_in(jax.random.PRNGKey(seed), j),
+                             objective.fixed_times(1, 64, (j + 0.5) / samples))[0]) for j in range(samples)])
   assert count[0] == 64
   np.testing.assert_allclose(got[0], want, rtol=1e-5)
 
@@ -82,13 +88,14 @@ def test_diffusion_context_stays_in_view(name):
   spec, params = spec_and_params(False, 4)
   row, c = np.random.default_rng(4).integers(0, MASK, 64), 20  # mid-block: BD3 reads earlier blocks clean anyway
   got, count = Scorer(spec, objective, params, time_samples=1, seed=3)([row.tolist()], [c])
-  model = bind(spec, params)
   key, t = jax.random.fold_in(jax.random.PRNGKey(3), 0), objective.fixed_times(1, 64, 0.5)
   rest = (np.arange(64) >= c)[None]
-  want = float(objective(model, row[None].astype(np.int32), key, t, loss_mask=rest)[0])
+  x = row[None].astype(np.int32)
+  want = float(jax.jit(lambda p: objective(bind(spec, p), x, key, t, loss_mask=rest))(params)[0])
   assert count[0] == 64 - c
   np.testing.assert_allclose(got[0], want, rtol=1e-5)
-  unconditional = float(np.sum(np.asarray(objective.per_token(model, row[None].astype(np.int32), key, t)) * rest))
+  unconditional = float(np.sum(np.asarray(jax.jit(lambda p: objective.per_token(bind(spec, p), x, key, t))(params))
+                               * rest))
   assert abs(got[0] - unconditional) > 1e-4 * abs(want)  # float32 noise is ~1e-6 of it
 
 
