@@ -3,6 +3,7 @@ refinement rule, the diffusion samplers and the AR sampler."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,7 +78,8 @@ def test_threshold_sampler_moves_logits_by_what_it_committed(presence, frequency
   if kv_cache:
     sampler = dataclasses.replace(sampler, kv_cache=True)
     denoise = _CachedConstant(row_logits, vocab, tokens.shape[1])
-  out = sampler.run(denoise, tokens, jnp.ones((1, 18), bool), rule.row_keys(jnp.zeros(1)), lay)
+  # Jitted as the generators run it: eager, its passes' op-by-op dispatch took seconds.
+  out = jax.jit(lambda t: sampler.run(denoise, t, jnp.ones((1, 18), bool), rule.row_keys(jnp.zeros(1)), lay))(tokens)
   want = _greedy_one_per_pass(row_logits, 16, presence, frequency, bias, lay.never_proposed)
   assert np.asarray(out["tokens"][0, 2:]).tolist() == want
   assert len(set(want)) > 1 or bias  # the case moves the greedy choice
