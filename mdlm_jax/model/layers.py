@@ -17,7 +17,27 @@ from mdlm_jax.model.rope import RopeScaling, rope
 from mdlm_jax.parallel.sharding import constrain
 
 
-def param(rngs: nnx.Rngs, init, shape: Sequence[int], names: Sequence[str | None]) -> nnx.Param:
+class ParamKeys:
+  """The keys `nnx.Rngs(seed).params()` hands out, in the same order (the seed's
+  key folded with a count), counted in Python rather than in an nnx variable.
+  Under a trace, each update of that variable had flax ask the traced count for
+  its sharding, and JAX build (then drop) an error message whose cost grows with
+  the trace: constructing SmolLM2's 30 layers abstractly took about 9 s, most of
+  a load's time."""
+
+  def __init__(self, seed: int):
+    self._key, self._count = jax.random.key(seed), 0
+
+  def params(self) -> jax.Array:
+    key = jax.random.fold_in(self._key, self._count)
+    self._count += 1
+    return key
+
+
+Keys = nnx.Rngs | ParamKeys  # what a module's constructor draws its parameters' keys from
+
+
+def param(rngs: Keys, init, shape: Sequence[int], names: Sequence[str | None]) -> nnx.Param:
   """A float32 parameter tagged with the logical names of its axes."""
   if len(shape) != len(names):
     raise ValueError(f"shape {shape} and logical axes {names} differ in rank")
@@ -54,7 +74,7 @@ class LoRA(nnx.Module):
   """A low-rank update x @ a @ b * scale of one linear layer (b starts at zero,
   so an adapted model starts as its base), applied to the `noisy` rows only."""
 
-  def __init__(self, fan_in: int, fan_out: int, rank: int, scale: float, *, rngs: nnx.Rngs,
+  def __init__(self, fan_in: int, fan_out: int, rank: int, scale: float, *, rngs: Keys,
                axes: tuple[str | None, str | None] = ("embed", None)):
     self.scale = scale
     self.a = param(rngs, fan_in_init(fan_in), (fan_in, rank), (axes[0], None))
@@ -81,7 +101,7 @@ def _lora_delta(lora: "LoRA | None", x2d, dtype, noisy, w=None):
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis: str = "embed"):
+  def __init__(self, dim: int, eps: float, *, rngs: Keys, axis: str = "embed"):
     self.eps = eps
     self.scale = param(rngs, nnx.initializers.ones, (dim,), (axis,))
 
@@ -117,7 +137,7 @@ class Attention(nnx.Module):
   attention (query heads [j * r, (j + 1) * r) share kv head j, as in Llama)."""
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, *, rope_theta: float,
-               attention_impl: str, dtype, rngs: nnx.Rngs, num_kv_heads: int | None = None,
+               attention_impl: str, dtype, rngs: Keys, num_kv_heads: int | None = None,
                rope_scaling: RopeScaling = RopeScaling(),
                qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, out_in: bool = False,
                lora: tuple[int, float] | None = None):
@@ -212,7 +232,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: nnx.Rngs, out_in: bool = False,
+  def __init__(self, embed_dim: int, mlp_dim: int, kind: str, *, dtype, rngs: Keys, out_in: bool = False,
                lora: tuple[int, float] | None = None):
     self.kind, self.dtype, self.out_in = kind, dtype, out_in
     if lora is not None:  # (rank, scale): adapters on every projection
@@ -261,7 +281,7 @@ class Modulation(nnx.Module):
   Zero-initialised and applied as x * (1 + scale) + shift and (1 + gate), so
   a time-conditioned model starts exactly as the unconditioned one."""
 
-  def __init__(self, cond_dim: int, embed_dim: int, n: int, *, rngs: nnx.Rngs):
+  def __init__(self, cond_dim: int, embed_dim: int, n: int, *, rngs: Keys):
     self.n = n
     self.w = param(rngs, nnx.initializers.zeros, (cond_dim, n, embed_dim), ("cond", None, "embed"))
     self.b = param(rngs, nnx.initializers.zeros, (n, embed_dim), (None, "embed"))
@@ -274,7 +294,7 @@ class Modulation(nnx.Module):
 class TimeEmbedding(nnx.Module):
   """Sinusoidal features of t in [0, 1] followed by a 2-layer MLP."""
 
-  def __init__(self, cond_dim: int, *, freq_dim: int = 256, rngs: nnx.Rngs):
+  def __init__(self, cond_dim: int, *, freq_dim: int = 256, rngs: Keys):
     self.freq_dim = freq_dim
     self.w1 = param(rngs, fan_in_init(freq_dim), (freq_dim, cond_dim), (None, "cond"))
     self.b1 = param(rngs, nnx.initializers.zeros, (cond_dim,), ("cond",))

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mdlm_jax import kernels
+from mdlm_jax.model.layers import ParamKeys
 from mdlm_jax.model.transformer import (DECODE_DTYPE_CHOICES, INT8_ACTIVATION_BITS, ModelConfig, Transformer,
                                         adapters_fit_bfloat16, convert_weight_layout, quantize_for_decoding)
 from mdlm_jax.model.stacked import stack_blocks
@@ -35,7 +36,7 @@ class ModelSpec:
 
 
 def model_spec(cfg: ModelConfig, mesh: Mesh | None) -> ModelSpec:
-  abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  abstract_model = nnx.eval_shape(lambda: Transformer(cfg, rngs=ParamKeys(0)))
   graphdef, state = nnx.split(abstract_model)
   shardings = nnx.to_pure_dict(sharding.param_shardings(state, mesh)) if mesh is not None else None
   return ModelSpec(cfg, graphdef, nnx.to_pure_dict(state), shardings)
@@ -50,7 +51,7 @@ def init_params(spec: ModelSpec, seed: int, only: frozenset[str] | None = None):
   model's random initialisation compiled for minutes on a GPU)."""
 
   def init():
-    return nnx.to_pure_dict(nnx.state(Transformer(spec.cfg, rngs=nnx.Rngs(seed))))
+    return nnx.to_pure_dict(nnx.state(Transformer(spec.cfg, rngs=ParamKeys(seed))))
 
   if only is None:
     return jax.jit(init, out_shardings=spec.shardings)()

@@ -19,7 +19,8 @@ from jaxtyping import Array, Bool, Float, Int
 from mdlm_jax import kernels
 from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.model.kv_cache import KVCache
-from mdlm_jax.model.layers import MLP, WEIGHT_LAYOUTS, Attention, Modulation, RMSNorm, TimeEmbedding, fan_in_init, param
+from mdlm_jax.model.layers import (MLP, WEIGHT_LAYOUTS, Attention, Keys, Modulation, RMSNorm, TimeEmbedding,
+                                   fan_in_init, param)
 from mdlm_jax.model.precision import compute_dtype
 from mdlm_jax.model.rope import RopeScaling
 from mdlm_jax.parallel.sharding import constrain
@@ -98,7 +99,7 @@ class ModelConfig:
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: Keys):
     dt = compute_dtype(cfg.dtype)
     out_in = cfg.weight_layout == "out_in"
     self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs=rngs)
@@ -136,7 +137,7 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: Keys):
     self.cfg = cfg
     self.embedding = param(rngs, nnx.initializers.normal(stddev=1.0), (cfg.vocab_size, cfg.embed_dim),
                            ("vocab", "embed"))

@@ -429,3 +429,19 @@ def test_a_rows_mean_square_is_the_same_bits_among_any_number_of_rows():
     np.testing.assert_array_equal(np.asarray(f(x[:, :m])), alone[:, :m], err_msg=f"{m} rows")
   want = np.mean(np.asarray(x, np.float64) ** 2, axis=-1, keepdims=True)
   np.testing.assert_allclose(alone, want, rtol=1e-6)
+
+
+def test_init_params_draws_the_keys_nnx_rngs_would():
+  """`ParamKeys` counts in Python what nnx.Rngs counts in a variable (whose updates are slow to
+  trace): the same seed gives the same initial weights, bit for bit, adapters included."""
+  from mdlm_jax.model.spec import init_params, model_spec
+  seed = int(np.random.default_rng().integers(1 << 30))
+  cfg = ModelConfig(**{**BASE, "lora_rank": 4, "num_kv_heads": 2})
+  want = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))()
+  got = init_params(model_spec(cfg, None), seed)
+  flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(got)[0]}
+  leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+  assert len(leaves) == len(flat) and any(np.asarray(v).std() > 0 for _, v in leaves)
+  for k, v in leaves:
+    name = jax.tree_util.keystr(k)
+    np.testing.assert_array_equal(np.asarray(flat[name]), np.asarray(v), err_msg=name)

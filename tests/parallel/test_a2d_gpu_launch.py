@@ -60,8 +60,8 @@ def test_each_stage_stops_at_its_share_and_the_best_chat_checkpoint_is_exported(
   # 121 s: stage A ends at (121 - 110) * 45% = 4 s in, stage B at 121 - 115 = 6 s.
   r, calls, t0 = _launch(tmp_path, 121)
   assert r.returncode == 0, r.stderr
-  assert [c[:-1] for c in calls[:4]] == [["start", "a", "INIT"], ["stop", "a"], ["start", "b", str(tmp_path / "runs/a")],
-                                        ["stop", "b"]]
+  assert [c[:-1] for c in calls[:4]] == [["start", "a", "INIT"], ["stop", "a"],
+                                         ["start", "b", str(tmp_path / "runs/a")], ["stop", "b"]]
   stop_a, stop_b = float(calls[1][2]) - t0, float(calls[3][2]) - t0  # the script counts whole seconds
   assert 2.5 < stop_a < 8 and 4.5 < stop_b < 11 and stop_b - stop_a > 1, (stop_a, stop_b)
   export = calls[4]
