@@ -45,7 +45,8 @@ def _once_per_run(tmp_path_factory, worker_id: str, name: str, make):
 def compilation_cache_for_the_run(tmp_path_factory, worker_id):
   """XLA's disk cache in a folder of this run's own, shared by its workers and the
   servers and CLIs they start: many tests compile the same small programs, and a
-  program compiled once is loaded after (about a tenth of the run's time, measured).
+  program compiled once is loaded after (a tenth of the engine and server tests'
+  time, measured).
   A fresh folder each run, so nothing compiled by other code is ever read back. A
   cache the caller set (JAX_COMPILATION_CACHE_DIR) is left as it is."""
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
