@@ -23,7 +23,7 @@ class ParamKeys:
   Under a trace, each update of that variable had flax ask the traced count for
   its sharding, and JAX build (then drop) an error message whose cost grows with
   the trace: constructing SmolLM2's 30 layers abstractly took about 6 s (0.7 s
-  now), and a `sample` start builds five.
+  now), and a `sample` start builds five."""
 
   def __init__(self, seed: int):
     self._key, self._count = jax.random.key(seed), 0
