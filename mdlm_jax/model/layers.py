@@ -25,8 +25,9 @@ class ParamKeys:
   the trace: constructing SmolLM2's 30 layers abstractly took about 6 s (0.7 s
   now), and a `sample` start builds five."""
 
-  def __init__(self, seed: int):
-    self._key, self._count = jax.random.key(seed), 0
+  def __init__(self, seed: int | jax.Array):  # a seed or a key, as nnx.Rngs takes
+    is_key = isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+    self._key, self._count = seed if is_key else jax.random.key(seed), 0
 
   def params(self) -> jax.Array:
     key = jax.random.fold_in(self._key, self._count)

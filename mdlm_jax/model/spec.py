@@ -42,7 +42,7 @@ def model_spec(cfg: ModelConfig, mesh: Mesh | None) -> ModelSpec:
   return ModelSpec(cfg, graphdef, nnx.to_pure_dict(state), shardings)
 
 
-def init_params(spec: ModelSpec, seed: int, only: frozenset[str] | None = None):
+def init_params(spec: ModelSpec, seed: int | jax.Array, only: frozenset[str] | None = None):
   """Initialises directly into the sharded layout (no full host copy).
 
   `only`: the parameters named (`jax.tree_util.keystr` of their paths) and no

@@ -439,6 +439,8 @@ def test_init_params_draws_the_keys_nnx_rngs_would():
   cfg = ModelConfig(**{**BASE, "lora_rank": 4, "num_kv_heads": 2})
   want = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))))()
   got = init_params(model_spec(cfg, None), seed)
+  by_key = init_params(model_spec(cfg, None), jax.random.key(seed))  # a key, as nnx.Rngs takes too
+  jax.tree.map(np.testing.assert_array_equal, by_key, got)
   flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(got)[0]}
   leaves = jax.tree_util.tree_flatten_with_path(want)[0]
   assert len(leaves) == len(flat) and any(np.asarray(v).std() > 0 for _, v in leaves)
