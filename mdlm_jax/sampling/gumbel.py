@@ -29,16 +29,25 @@ def use_float64() -> bool:
 
 def argmax(x: jax.Array) -> jax.Array:
   """jnp.argmax over the last axis, int32: the first index of the maximum
-  (of the first NaN, as jnp.argmax). A max, then a min over the indices
-  that reach it: XLA:CPU runs jnp.argmax as a (value, index) reduction it
-  does not vectorise, 5x slower over a 49K vocabulary. lax ops only, so it
+  (of the first NaN, as jnp.argmax), as one (value, index) reduction. A max
+  followed by a search for the index that reaches it is faster on XLA:CPU,
+  but XLA fuses the ops that compute `x` into both and compiles each with its
+  own rounding (a multiply-add contracted in one and not in the other), so
+  that no element need equal "the" maximum: under a frequency penalty that
+  returned the index past the end and a NaN confidence, and decoding
+  stalled. lax ops only (jnp's argmax fixes a float32 initial value), so it
   also serves the float64 block below."""
   axis = x.ndim - 1
-  row = lambda r: lax.broadcast_in_dim(r, x.shape, tuple(range(axis)))
-  nan = x != x
-  hit = lax.select(row(lax.reduce_or(nan, axes=(axis,))), nan, x == row(lax.reduce_max(x, axes=(axis,))))
   iota = lax.broadcasted_iota(jnp.int32, x.shape, axis)
-  return lax.reduce_min(lax.select(hit, iota, lax.full_like(iota, x.shape[axis])), axes=(axis,))
+
+  def first_of_the_larger(a, b):
+    (av, ai), (bv, bi) = a, b
+    a_nan, b_nan = av != av, bv != bv
+    take_a = (av > bv) | (a_nan & ~b_nan) | (((av == bv) | (a_nan & b_nan)) & (ai < bi))
+    return lax.select(take_a, av, bv), lax.select(take_a, ai, bi)
+
+  init = (lax.full((), -np.inf, x.dtype), lax.full((), x.shape[axis], jnp.int32))
+  return lax.reduce((x, iota), init, first_of_the_larger, (axis,))[1]
 
 
 def random_words(key, shape) -> jax.Array:

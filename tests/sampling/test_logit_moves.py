@@ -42,6 +42,43 @@ def test_penalize_matches_a_float64_formula():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_the_greedy_proposal_of_moved_logits_is_their_maximum_in_one_program():
+  """A sampler's moves, proposal and picks in one jitted program, the counts
+  taken from the canvas: the proposal is the moved maximum's index, its
+  confidence that token's softmax share, and the pass commits one token.
+  (XLA compiled the moves into the max and into the search for its index with
+  different rounding, and no index reached the max: the index past the end
+  came back with a NaN confidence and nothing was committed, on this very
+  canvas, so the sampler stalled.)"""
+  vocab, mask_id = 12, 4
+  lay = Layout(gen_start=2, gen_len=16, mask_id=mask_id, eos_id=2)
+  sampler = ThresholdSampler(threshold=rule.NEVER, block_size=8, presence_penalty=0.3, frequency_penalty=0.7,
+                             logit_bias=((9, -100.0),))
+  row = np.linspace(-1.0, 1.0, vocab)
+  row[[9, 7, 5, 3, 2]] = [5.0, 4.2, 3.1, 0.5, -50.0]
+  canvas = [1, 6, 7, 7, 5, 7, 5] + [mask_id] * 11
+  tokens, valid = jnp.asarray([canvas], jnp.int32), jnp.ones((1, 18), bool)
+  denoise = _constant_denoise(row, vocab)
+  candidates = (tokens == mask_id) & (jnp.arange(18) < 10)
+
+  @jax.jit
+  def one_pass(tokens):
+    moved = sampler._moved(denoise(tokens, jnp.zeros(1)), lay, tokens, valid)
+    x0, conf = rule.propose(moved, rule.pass_keys(rule.row_keys(jnp.zeros(1)), 0, 5), jnp.arange(18),
+                            lay.never_proposed, 0.0)
+    return moved[0, 7], x0, conf, sampler._picks(conf, candidates, 5)
+
+  got_row, x0, conf, picked = (np.asarray(a) for a in one_pass(tokens))
+  counts = np.bincount([t for t in canvas[2:] if t != mask_id], minlength=vocab)
+  want = row - 0.3 * (counts > 0) - 0.7 * counts
+  want[9] -= 100.0
+  want[mask_id] = -np.inf
+  np.testing.assert_allclose(got_row[want > -np.inf], want[want > -np.inf], rtol=1e-6)
+  assert x0[0, 7] == np.argmax(want) == 7
+  np.testing.assert_allclose(conf[0, 7], np.exp(want.max() - np.log(np.exp(want).sum())), rtol=1e-5)
+  assert picked.sum() == 1 and picked[0, 7]
+
+
 def _constant_denoise(row_logits, vocab):
   """A 'model' whose logits are the same at every position, whatever the canvas."""
   logits = jnp.asarray(row_logits, jnp.float32)
