@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, load_config
+from tests.conftest import REPO, load_config, xla_flags
 from mdlm_jax import config as config_lib
 from mdlm_jax.checkpoints import checkpointer
 from mdlm_jax.training import trainer
@@ -14,7 +14,7 @@ from mdlm_jax import checkpoints
 
 
 def run_module(*args, timeout=240):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env,
                         timeout=timeout, cwd=REPO)
 

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 pytestmark = pytest.mark.slow
 
 
 def _bench(*args, tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   r = subprocess.run([sys.executable, "-m", "mdlm_jax.bench", *args, "--json", f"--png={tmp_path / 'b.png'}"],
                      capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
   assert r.returncode == 0, r.stderr
@@ -78,7 +78,7 @@ def test_bench_sample(tiny_checkpoints, tmp_path):
 
 
 def test_bench_kernels_on_cpu_checks_numerics():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, "-m", "mdlm_jax.bench", "kernels", "--json", "--chunked-tiles=8,16",
                       "--lengths=32,48", "--heads=2", "--head-dim=8", "--repeats=1"], capture_output=True, text=True,
                      env=env, timeout=900, cwd=REPO)

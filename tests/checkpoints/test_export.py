@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 from mdlm_jax.checkpoints import params_only, safetensors
 from mdlm_jax import checkpoints
 
@@ -76,7 +76,7 @@ def test_safetensors_round_trip_and_errors(tmp_path):
 
 
 def export_folder(*args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   return subprocess.run([sys.executable, "-m", "mdlm_jax.export", *args], capture_output=True, text=True,
                         env=env, timeout=240, cwd=REPO)
 

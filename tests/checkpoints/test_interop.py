@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, load_config
+from tests.conftest import REPO, load_config, xla_flags
 from mdlm_jax.checkpoints import interop, packaged, params_only, safetensors
 from mdlm_jax import checkpoints
 from mdlm_jax.model.spec import bind, model_spec
@@ -130,7 +130,7 @@ def test_sharded_export_and_native_alias(tok, tmp_path, tiny_checkpoints):
 
 
 def _run_export(*args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   return subprocess.run([sys.executable, "-m", "mdlm_jax.export", *args], capture_output=True, text=True,
                         env=env, timeout=240, cwd=REPO)
 
@@ -355,7 +355,7 @@ def test_published_llada_folder_loads_samples_and_imports(hf_tok, hf_json, tmp_p
   want = flat(params)
   for k, v in flat(loaded.params).items():
     np.testing.assert_array_equal(v, want[k], err_msg=k)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   r = subprocess.run([sys.executable, "-m", "mdlm_jax.sample", f"--checkpoint={out}", "--prompt=def f(x):",
                       "--max-new-tokens", "8", "--effort=low"], capture_output=True, text=True, env=env,
                      timeout=240, cwd=REPO)

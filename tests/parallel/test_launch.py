@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 LAUNCH = os.path.join(REPO, "launch", "local.py")
 
@@ -72,7 +72,7 @@ def test_two_processes_match_one_process_and_resume(tmp_path, tiny_tokenizer_pat
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   one, two = tmp_path / "one", tmp_path / "two"
   _run(_train_cmd(one, tiny_tokenizer_path),
-       {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+       {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(4)})
   launch = [sys.executable, LAUNCH, "--num-processes", "2", "--devices-per-process", "2", "--"]
   out = _run(launch + _train_cmd(two, tiny_tokenizer_path), env)
   assert "mesh {'data': 4" in out and "[p1] step" not in out

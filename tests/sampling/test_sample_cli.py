@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 
 def run(*args, timeout=240):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   return subprocess.run([sys.executable, "-m", "mdlm_jax.sample", *args], capture_output=True, text=True,
                         env=env, timeout=timeout, cwd=REPO)
 

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 
 KEY = "sk-test-key"
 MASK = "\u2591"
@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 def start_server(checkpoint, *args, devices=1):
   port = _free_port()
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
   env.pop("MDLM_API_KEY", None)
   chosen = [f"--checkpoint={checkpoint}"] if checkpoint else []  # None: the packaged default
   proc = subprocess.Popen([sys.executable, "-m", "mdlm_jax.serve", *chosen, f"--port={port}",

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, xla_flags
 from mdlm_jax.checkpoints import checkpointer
 from mdlm_jax.training import trainer
 from mdlm_jax import checkpoints
@@ -53,7 +53,7 @@ def _run_cli(workdir, tok, steps, extra=(), wait=True):
   cmd = [sys.executable, "-m", "mdlm_jax.train", f"--config={REPO}/configs/tiny.py", f"--workdir={workdir}",
          f"--config.data.tokenizer={tok}", f"--config.train.num_steps={steps}",
          "--config.train.checkpoint_every=10", "--config.train.log_every=5", *extra]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   if wait:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
