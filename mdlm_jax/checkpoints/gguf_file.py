@@ -11,10 +11,18 @@ Two differences from a Hugging Face folder are undone here: llama.cpp stores a
 Llama's q/k rows interleaved for its adjacent-pair RoPE (its converter's
 `permute`), and the tokenizer is metadata, not tokenizer.json
 (data/gguf_tokenizer.py). A file without `output.weight` has a tied head.
+
+`gguf`'s reader parses every metadata field up front, a vocabulary's 100K
+strings included: seconds a load. A GGUF in the model cache (the registry's
+fetched files) keeps an index beside it, `<file>.index.json` (the config, the
+tokenizer, the chat template and where each tensor's bytes lie), so later
+loads read the tensors straight from the file; the index holds the file's
+size and modification time and is rebuilt when either differs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -99,7 +107,8 @@ def _hf_config(reader, arch: str, tensor_names: set[str], source: str) -> dict:
   return hf
 
 
-def _tokenizer(reader, template: str, source: str) -> HFTokenizer:
+def _tokenizer_parts(reader, source: str) -> tuple[str, dict]:
+  """(tokenizer.json text, the special ids) of the file's vocabulary metadata."""
   model = _value(reader, "tokenizer.ggml.model")
   if model != "gpt2":
     raise InteropError(f"{source}: tokenizer.ggml.model={model!r} is not supported (byte-level BPE, 'gpt2', is)")
@@ -108,9 +117,17 @@ def _tokenizer(reader, template: str, source: str) -> HFTokenizer:
     text = gguf_tokenizer.tokenizer_json(tokens, list(_value(reader, "tokenizer.ggml.token_type", [])),
                                          list(_value(reader, "tokenizer.ggml.merges", [])),
                                          str(_value(reader, "tokenizer.ggml.pre", "gpt-2")), source)
-    ids = {f"{name}_token_id": _value(reader, f"tokenizer.ggml.{key}_token_id")
-           for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("mask", "mask"))}
-    ids["add_bos"] = bool(_value(reader, "tokenizer.ggml.add_bos_token", False))
+  except ValueError as e:
+    raise InteropError(str(e)) from None
+  ids = {f"{name}_token_id": _value(reader, f"tokenizer.ggml.{key}_token_id")
+         for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("mask", "mask"))}
+  ids = {k: None if v is None else int(v) for k, v in ids.items()}
+  ids["add_bos"] = bool(_value(reader, "tokenizer.ggml.add_bos_token", False))
+  return text, ids
+
+
+def _tokenizer(text: str, ids: dict, template: str, source: str) -> HFTokenizer:
+  try:
     return HFTokenizer(text, ids, source=source, spare_mask=template)
   except ValueError as e:
     raise InteropError(str(e)) from None
@@ -118,10 +135,85 @@ def _tokenizer(reader, template: str, source: str) -> HFTokenizer:
 
 def chat_template_of(path: str) -> str | None:
   """`tokenizer.chat_template` of a GGUF file (its metadata only)."""
+  index = _load_index(path)
+  if index is not None:
+    return index["template"]
   try:
     return _value(_gguf().GGUFReader(path), "tokenizer.chat_template")
   except Exception:  # pylint: disable=broad-except  # `read` reports what is wrong with the file
     return None
+
+
+def index_path(path: str) -> str | None:
+  """Where the index of a GGUF in the model cache lies (None for a file elsewhere:
+  a user's own files get no writes beside them)."""
+  from mdlm_jax.checkpoints import registry  # pylint: disable=import-outside-toplevel
+  real, cache = os.path.realpath(path), os.path.realpath(registry.cache_dir())
+  return f"{path}{INDEX_SUFFIX}" if os.path.commonpath([real, cache]) == cache else None
+
+
+INDEX_SUFFIX = ".index.json"
+_INDEX_VERSION = 1
+
+
+def _stamp(path: str) -> dict:
+  st = os.stat(path)
+  return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _load_index(path: str) -> dict | None:
+  """The file's index where it has a current one."""
+  where = index_path(path)
+  if where is None or not os.path.isfile(where):
+    return None
+  try:
+    with open(where, encoding="utf-8") as f:
+      index = json.load(f)
+  except (OSError, ValueError):
+    return None  # unreadable: parsed again and rewritten
+  current = isinstance(index, dict) and index.get("version") == _INDEX_VERSION and index.get("stamp") == _stamp(path)
+  return index if current else None
+
+
+def _save_index(path: str, index: dict) -> None:
+  """Written whole or not at all; a cache folder that refuses it costs the next load the parse."""
+  where = index_path(path)
+  if where is None:
+    return
+  tmp = f"{where}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(index, f)
+    os.replace(tmp, where)
+  except OSError:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def _parse(path: str, gguf) -> tuple[dict, dict]:
+  """(the index of the file, its tensors' raw bytes by name) through `gguf`'s reader."""
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # pylint: disable=broad-except  # gguf raises ValueError, struct.error, IndexError...
+    raise InteropError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); is it truncated?") from None
+  arch = str(_value(reader, "general.architecture", ""))
+  _family(arch, path)
+  hf = _hf_config(reader, arch, {t.name for t in reader.tensors}, path)
+  template = _value(reader, "tokenizer.chat_template")
+  text, ids = _tokenizer_parts(reader, path)
+  tensors = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(n) for n in reversed(t.shape)],
+              "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
+  index = {"version": _INDEX_VERSION, "stamp": _stamp(path), "arch": arch, "hf": hf, "template": template,
+           "tokenizer": text, "ids": ids, "tensors": tensors}
+  return index, {t.name: t.data for t in reader.tensors}
+
+
+def _family(arch: str, path: str):
+  family = families.by_gguf_arch(arch)
+  if family is None:
+    supported = sorted(f.gguf_arch for f in families.FAMILIES.values() if f.gguf_arch)
+    raise InteropError(f"{path}: general.architecture={arch!r} is not supported (supported: {', '.join(supported)})")
+  return family
 
 
 def read(path: str) -> tuple[ml_collections.ConfigDict, HFTokenizer, dict[str, np.ndarray], int, str | None]:
@@ -133,36 +225,35 @@ def read(path: str) -> tuple[ml_collections.ConfigDict, HFTokenizer, dict[str, n
   if not os.path.isfile(path):
     raise InteropError(f"{path}: no such file")
   gguf = _gguf()
-  try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # pylint: disable=broad-except  # gguf raises ValueError, struct.error, IndexError...
-    raise InteropError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); is it truncated?") from None
-  arch = str(_value(reader, "general.architecture", ""))
-  family = families.by_gguf_arch(arch)
-  if family is None:
-    supported = sorted(f.gguf_arch for f in families.FAMILIES.values() if f.gguf_arch)
-    raise InteropError(f"{path}: general.architecture={arch!r} is not supported (supported: {', '.join(supported)})")
-  by_gguf = {t.name: t for t in reader.tensors}
-  hf = _hf_config(reader, arch, set(by_gguf), path)
-  template = _value(reader, "tokenizer.chat_template")
-  tok = _tokenizer(reader, template or "", path)
+  index = _load_index(path)
+  parsed = index is None
+  if parsed:
+    index, raw = _parse(path, gguf)
+  else:  # each tensor's bytes straight from the file, where the index says they lie
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = {t["name"]: data[t["offset"]:t["offset"] + t["bytes"]] for t in index["tensors"]}
+  arch, hf = index["arch"], dict(index["hf"])
+  family = _family(arch, path)
+  template = index["template"]
+  tok = _tokenizer(index["tokenizer"], index["ids"], template or "", path)
   hf["vocab_size"] = tok.vocab_size
   to_hf = {}
   for pattern, gguf_name in families.GGUF_NAMES.items():
     for i in range(hf["num_hidden_layers"]) if "{i}" in pattern else [None]:
       to_hf[gguf_name.replace("{i}", str(i))] = family.names[pattern].replace("{i}", str(i))
-  unknown = sorted(set(by_gguf) - set(to_hf))
+  unknown = sorted({t["name"] for t in index["tensors"]} - set(to_hf))
   if unknown:
     raise InteropError(f"{path}: unexpected tensors {unknown[:3]}{'...' if len(unknown) > 3 else ''}")
   tensors = {}
-  for name, t in by_gguf.items():
+  for t in index["tensors"]:
+    name, qtype = t["name"], gguf.GGMLQuantizationType(t["type"])
     try:
-      a = gguf.quants.dequantize(t.data, t.tensor_type)
+      a = gguf.quants.dequantize(raw[name], qtype)
     except NotImplementedError:
-      raise InteropError(f"{path}: tensor {name} is {t.tensor_type.name}, which gguf cannot dequantize") from None
+      raise InteropError(f"{path}: tensor {name} is {qtype.name}, which gguf cannot dequantize") from None
     except ValueError as e:
-      raise InteropError(f"{path}: tensor {name} ({t.tensor_type.name}) is malformed: {e}") from None
-    a = np.asarray(a, np.float32).reshape([int(n) for n in reversed(t.shape)])
+      raise InteropError(f"{path}: tensor {name} ({qtype.name}) is malformed: {e}") from None
+    a = np.asarray(a, np.float32).reshape(t["shape"])
     if family.gguf_permuted_qk and name.split(".")[-2] in ("attn_q", "attn_k"):
       heads = hf["num_attention_heads"] if name.split(".")[-2] == "attn_q" else hf["num_key_value_heads"]
       if a.shape[0] % (2 * heads):
@@ -170,4 +261,6 @@ def read(path: str) -> tuple[ml_collections.ConfigDict, HFTokenizer, dict[str, n
       a = unpermute_qk(a, heads)
     tensors[to_hf[name]] = a
   config, tok, named, step = interop.convert(family.name, hf, tensors, tok, path)
+  if parsed:
+    _save_index(path, index)  # parsed and converted without error: later loads skip the parse
   return config, tok, named, step, template

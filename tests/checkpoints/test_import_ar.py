@@ -282,6 +282,43 @@ def test_gguf_logits_match_a_numpy_forward_over_its_dequantized_tensors(types, b
   assert loaded.chat_template == TEMPLATE
 
 
+def test_a_cached_gguf_is_read_from_its_index_after_the_first_load(bpe, tmp_path, monkeypatch):
+  """A GGUF in the model cache: the first read parses it and writes its index; the next reads
+  take the tensors straight from the file (gguf's reader not called) and give the same
+  config, tokenizer, weights (quantized ones too) and template. A file changed since
+  is parsed again; a file outside the cache gets no index."""
+  cache = tmp_path / "cache"
+  monkeypatch.setenv("MDLM_JAX_CACHE", str(cache))
+  (cache / "models").mkdir(parents=True)
+  path = str(write_gguf(cache / "models" / "m.gguf", hf_model("llama", bpe.get_vocab_size(), seed=12), bpe,
+                        types={"blk.0.attn_q.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q4_1,
+                               "blk.1.attn_k.weight": Q.F16, "blk.0.ffn_gate.weight": Q.BF16}))
+  first = gguf_file.read(path)
+  assert os.path.isfile(path + gguf_file.INDEX_SUFFIX)
+
+  def no_parse(*args, **kwargs):
+    raise AssertionError("parsed again")
+  with monkeypatch.context() as m:
+    m.setattr(gguf, "GGUFReader", no_parse)
+    again = gguf_file.read(path)
+    assert gguf_file.chat_template_of(path) == TEMPLATE
+  assert again[0].to_json() == first[0].to_json() and again[3:] == first[3:] == (0, TEMPLATE)
+  assert sorted(again[2]) == sorted(first[2])
+  for name, a in first[2].items():
+    np.testing.assert_array_equal(again[2][name], a)
+  text = "def f(x):\n  return x  # <|im_start|> 99"
+  assert again[1].encode(text) == first[1].encode(text) == bpe.encode(text).ids
+
+  write_gguf(cache / "models" / "m.gguf", hf_model("llama", bpe.get_vocab_size(), seed=13), bpe)
+  changed = gguf_file.read(path)
+  elsewhere = str(shutil.copy(path, tmp_path / "m.gguf"))  # outside the cache: parsed, no index
+  fresh = gguf_file.read(elsewhere)
+  assert gguf_file.index_path(elsewhere) is None and not os.path.exists(elsewhere + gguf_file.INDEX_SUFFIX)
+  assert any(not np.array_equal(changed[2][k], first[2][k]) for k in first[2])
+  for name, a in fresh[2].items():
+    np.testing.assert_array_equal(changed[2][name], a)
+
+
 def test_gguf_tokenizer_is_the_one_its_metadata_was_written_from(bpe, tmp_path):
   path = write_gguf(tmp_path / "m.gguf", hf_model("llama", bpe.get_vocab_size(), seed=2), bpe)
   tok = checkpoints.load(path).tokenizer
