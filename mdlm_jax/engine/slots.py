@@ -33,7 +33,7 @@ from mdlm_jax import kernels
 from mdlm_jax.engine import packing as packing_lib
 from mdlm_jax.model.spec import ModelSpec, bind
 from mdlm_jax.model.kv_cache import KVCache
-from mdlm_jax.sampling import grammar, rule
+from mdlm_jax.sampling import draft_table, grammar, rule
 
 
 @struct.dataclass
@@ -365,8 +365,7 @@ def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled, table=None)
     end = jnp.minimum(w + filled, text.shape[1] - 1)
     out = rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.block_size - 1))
     if table is not None:  # then the model's table of its own answers goes on from them
-      before = jnp.maximum(end - 1, 0)
-      ahead, n_ahead = table.extend(text[rows, before], (end >= 1) & known[rows, before], out.ahead, out.n_ahead)
+      ahead, n_ahead = table.extend(*draft_table.context_before(table, text, known, end), out.ahead, out.n_ahead)
       use = s.decoding.lookup > 0
       out = out.replace(ahead=jnp.where(use[:, None], ahead, out.ahead), n_ahead=jnp.where(use, n_ahead, out.n_ahead))
     return out

@@ -3,17 +3,24 @@
 A chat model's answers repeat their phrasing across requests ("Here is a
 Python function that", "```python\\ndef", "This function uses the"), and
 that phrasing is exactly what neither the masked block (three drafts, often
-unsure) nor copying from the prompt offers. The table maps each pair of
-tokens seen in answers the base wrote itself (self-distilled data) to the
-token that most often followed it; a revising pass chains it from the text's
-last two tokens into drafts. The base verifies them like any draft
-(`rule.verify`), so the text stays the base's: the table sets only the speed.
+unsure) nor copying from the prompt offers. The table maps each context of
+up to `order` tokens seen in answers the base wrote itself (self-distilled
+data) to the token that most often followed it, and answers from the longest
+context it knows (backing off to shorter ones, down to `min_context`
+tokens); a revising pass chains it from the text's last tokens into drafts.
+The base verifies them like any draft (`rule.verify`), so the text stays the
+base's: the table sets only the speed.
 
     python -m mdlm_jax.sampling.draft_table --checkpoint=DIR --answers=a.jsonl[,b.jsonl] --out=DIR/draft_table.npz
 
-On the device the table is three arrays: for each first token a range
-(`offsets`) of second tokens (sorted) and what follows each pair; a lookup
-is a binary search of fixed depth, so a chain of drafts is a few gathers.
+On the device the table is a trie of contexts read backwards: nodes 0 to
+vocab - 1 are the one-token contexts (the last token), and a node's children,
+a contiguous range sorted by token, extend its context by the token before
+it. A lookup walks down from the last token, one binary search of fixed
+depth a level, and keeps the follower of the deepest node that has one: a
+chain of drafts is a few gathers per token. Contexts whose follower is their
+parent's, with nothing below them, are left out (they would answer the
+same).
 """
 
 from __future__ import annotations
@@ -31,115 +38,238 @@ from flax import struct
 from jaxtyping import Array, Bool, Int
 
 FILE_NAME = "draft_table.npz"  # beside a model's weights: loading picks it up
+ORDER = 4  # the longest context a built table keeps, in tokens
+MIN_CONTEXT = 1  # the shortest context that answers: a weak guess still beats an empty column, which is as costly
 
 
 @struct.dataclass
 class DraftTable:
-  offsets: Int[Array, "v1"]  # pairs starting with token a are entries offsets[a]:offsets[a + 1]
-  second: Int[Array, "k"]  # each entry's second token, ascending within its first token's range
-  follow: Int[Array, "k"]  # the token that most often followed the pair
-  depth: int = struct.field(pytree_node=False)  # binary-search steps that cover the widest range
+  children: Int[Array, "n1"]  # node n's children are nodes children[n]:children[n + 1]
+  key: Int[Array, "n"]  # each node's token: the one its context adds before its parent's
+  follow: Int[Array, "n"]  # the token that most often followed the node's context (-1: none kept)
+  vocab_size: int = struct.field(pytree_node=False)
+  depths: tuple[int, ...] = struct.field(pytree_node=False)  # binary-search steps into levels 2, 3, ...
 
   @property
-  def vocab_size(self) -> int:
-    return int(self.offsets.shape[0]) - 1
+  def order(self) -> int:
+    """The longest context the table knows, in tokens."""
+    return len(self.depths) + 1
 
   @property
   def entries(self) -> int:
-    return int(self.second.shape[0])
+    """Contexts that answer (nodes with a follower)."""
+    return int(np.sum(np.asarray(self.follow) >= 0))
 
-  def next_token(self, a: Int[Array, "b"], b: Int[Array, "b"]) -> tuple[Bool[Array, "b"], Int[Array, "b"]]:
-    """(found, the token that followed (a, b) most often) per row."""
-    if not self.entries:  # nothing to gather from
-      return jnp.zeros(a.shape, bool), jnp.zeros(a.shape, jnp.int32)
-    v = self.vocab_size
-    ok = (a >= 0) & (a < v) & (b >= 0)
-    a = jnp.clip(a, 0, v - 1)
-    lo, end = self.offsets[a], self.offsets[a + 1]
-    hi = end
-    last = self.entries - 1
-    for _ in range(self.depth):  # the first entry of the range whose second token is >= b
-      mid = (lo + hi) // 2
-      open_ = lo < hi
-      right = self.second[jnp.minimum(mid, last)] < b
-      lo = jnp.where(open_ & right, mid + 1, lo)
-      hi = jnp.where(open_ & ~right, mid, hi)
-    at = jnp.minimum(lo, last)
-    found = ok & (lo < end) & (self.second[at] == b)
-    return found, jnp.where(found, self.follow[at], 0)
+  def next_token(self, context: Int[Array, "b k"], known: Bool[Array, "b k"]) -> tuple[Bool[Array, "b"],
+                                                                                       Int[Array, "b"]]:
+    """(found, the token that most often followed the longest known suffix of
+    `context`) per row. `context` holds the text's last k tokens, oldest
+    first; `known` marks those that are text (a context stops at the first
+    unknown token, counting back)."""
+    v, n = self.vocab_size, int(self.key.shape[0])
+    last = context[:, -1]
+    alive = known[:, -1] & (last >= 0) & (last < v)
+    node = jnp.clip(last, 0, v - 1)
+    best = jnp.where(alive, self.follow[node], -1)
+    for level, depth in enumerate(self.depths[:context.shape[1] - 1], start=2):
+      token = context[:, -level]
+      lo, end = self.children[node], self.children[node + 1]
+      hi = end
+      for _ in range(depth):  # the first child whose token is >= token
+        mid = (lo + hi) // 2
+        open_ = lo < hi
+        right = self.key[jnp.minimum(mid, n - 1)] < token
+        lo = jnp.where(open_ & right, mid + 1, lo)
+        hi = jnp.where(open_ & ~right, mid, hi)
+      at = jnp.minimum(lo, n - 1)
+      alive = alive & known[:, -level] & (lo < end) & (self.key[at] == token)
+      node = jnp.where(alive, at, node)
+      best = jnp.where(alive & (self.follow[at] >= 0), self.follow[at], best)
+    return best >= 0, jnp.maximum(best, 0)
 
-  def extend(self, prev: Int[Array, "b"], prev_known: Bool[Array, "b"], ahead: Int[Array, "b h"],
+  def extend(self, context: Int[Array, "b k"], context_known: Bool[Array, "b k"], ahead: Int[Array, "b h"],
              n_ahead: Int[Array, "b"]) -> tuple[Int[Array, "b h"], Int[Array, "b"]]:
     """A revising head `ahead` (the base's next token, then `n_ahead`
-    drafts; `prev` the text's token before it) with its free columns filled
-    by the table's chain from its last two tokens: the model's or copied
-    drafts, then how answers went on from there."""
-    h = ahead.shape[1]
+    drafts; `context` the text's tokens before it, `context_before`) with its
+    free columns filled by the table's chain from its last tokens: the
+    model's or copied drafts, then how answers went on from there."""
+    b, h = ahead.shape
+    k = context.shape[1]
     n = jnp.maximum(n_ahead, 0)
-    ext = jnp.concatenate([prev[:, None], ahead], 1)
-    take = lambda i: jnp.take_along_axis(ext, i[:, None], 1)[:, 0]  # noqa: E731
-    x, y = take(n), take(n + 1)
-    alive = (n_ahead >= 0) & ((n > 0) | prev_known)
+    ext = jnp.concatenate([context, ahead], 1)
+    ext_known = jnp.concatenate([context_known, jnp.ones((b, h), bool)], 1)
+    window = n[:, None] + jnp.arange(k + 1)[None]  # the k + 1 tokens that end at the head's last
+    ctx = jnp.take_along_axis(ext, window, 1)
+    ctx_known = jnp.take_along_axis(ext_known, window, 1)
+    alive = n_ahead >= 0
     out, count = ahead, n
     for i in range(h - 1):
-      found, c = self.next_token(x, y)
+      found, c = self.next_token(ctx, ctx_known)
       col = n + 1 + i
       alive = alive & found & (col < h)
       out = jnp.where(alive[:, None] & (jnp.arange(h)[None] == col[:, None]), c[:, None], out)
       count = count + alive.astype(jnp.int32)
-      x, y = y, c
+      ctx = jnp.concatenate([ctx[:, 1:], c[:, None]], 1)
+      ctx_known = jnp.concatenate([ctx_known[:, 1:], jnp.ones((b, 1), bool)], 1)
     return out, jnp.where(n_ahead < 0, n_ahead, count)
 
 
-def build(sequences: Iterable[Sequence[int]], vocab_size: int) -> DraftTable:
-  """The table of `sequences` (token ids): each pair (a, b) seen followed by
-  something maps to its most frequent follower (the smallest id on a tie)."""
-  if vocab_size < 1 or vocab_size >= 2 ** 21:  # a triple's key must fit in int64
-    raise ValueError(f"vocab_size must be in [1, 2**21), got {vocab_size}")
-  parts = []
+def context_before(table: DraftTable, text: Int[Array, "b l"], known: Bool[Array, "b l"],
+                   end: Int[Array, "b"]) -> tuple[Int[Array, "b k"], Bool[Array, "b k"]]:
+  """The `table.order - 1` tokens of `text` before column `end` (the head's
+  first token) and which of them are known text: `extend`'s context."""
+  k = table.order - 1
+  at = end[:, None] - k + jnp.arange(k)[None]
+  inside = at >= 0
+  at = jnp.clip(at, 0, text.shape[1] - 1)
+  return jnp.take_along_axis(text, at, 1), inside & jnp.take_along_axis(known, at, 1)
+
+
+def _most_frequent(ids: np.ndarray, follower: np.ndarray, n: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Per id in [0, n): (its most frequent follower, smallest on a tie, or -1;
+  how often the id occurs)."""
+  keys, counts = np.unique(ids * vocab_size + follower, return_counts=True)
+  which, nxt = keys // vocab_size, keys % vocab_size
+  order = np.lexsort((nxt, -counts, which))
+  which, nxt = which[order], nxt[order]
+  first = np.ones(which.shape, bool)
+  first[1:] = which[1:] != which[:-1]
+  follow = np.full(n, -1, np.int64)
+  follow[which[first]] = nxt[first]
+  return follow, np.bincount(ids, minlength=n)
+
+
+def build(sequences: Iterable[Sequence[int]], vocab_size: int, order: int = ORDER,
+          min_context: int = MIN_CONTEXT) -> DraftTable:
+  """The table of `sequences` (token ids): every context of `min_context` to
+  `order` tokens seen followed by something maps to its most frequent
+  follower (the smallest id on a tie)."""
+  if vocab_size < 1 or vocab_size >= 2 ** 24:
+    raise ValueError(f"vocab_size must be in [1, 2**24), got {vocab_size}")
+  if not 1 <= min_context <= order:
+    raise ValueError(f"need 1 <= min_context <= order, got min_context={min_context}, order={order}")
+  pieces = [np.full(order, -1, np.int64)]  # -1 before and between sequences: no context spans two
   for seq in sequences:
-    s = np.asarray(seq, np.int64)
+    s = np.asarray(seq, np.int64).reshape(-1)
     if s.size and (s.min() < 0 or s.max() >= vocab_size):
       raise ValueError(f"a sequence holds ids outside [0, {vocab_size})")
-    if s.size >= 3:
-      parts.append((s[:-2] * vocab_size + s[1:-1]) * vocab_size + s[2:])
-  keys, counts = np.unique(np.concatenate(parts) if parts else np.zeros((0,), np.int64), return_counts=True)
-  pair, nxt = keys // vocab_size, keys % vocab_size
-  # Within each pair: the largest count first, then the smallest follower.
-  order = np.lexsort((nxt, -counts, pair))
-  pair, nxt = pair[order], nxt[order]
-  first = np.ones(pair.shape, bool)
-  first[1:] = pair[1:] != pair[:-1]
-  pair, nxt = pair[first], nxt[first]
-  a, b = pair // vocab_size, pair % vocab_size
-  offsets = np.searchsorted(a, np.arange(vocab_size + 1)).astype(np.int32)
-  widest = int(np.max(np.diff(offsets))) if len(a) else 0
-  return DraftTable(offsets=jnp.asarray(offsets), second=jnp.asarray(b.astype(np.int32)),
-                    follow=jnp.asarray(nxt.astype(np.int32)), depth=max(int(widest).bit_length(), 1))
+    pieces += [s, np.full(1, -1, np.int64)]
+  flat = np.concatenate(pieces)
+  pos = np.flatnonzero((flat[:-1] >= 0) & (flat[1:] >= 0))  # a context ends here and a token follows
+  nxt = flat[pos + 1]
+  node = flat[pos]  # level 1: a node per token, its id the token
+  follow, _ = _most_frequent(node, nxt, vocab_size, vocab_size)
+  levels = [(np.full(vocab_size, -1), np.arange(vocab_size), np.where(min_context <= 1, follow, -1))]
+  start = vocab_size  # the first id of the next level
+  for level in range(2, order + 1):
+    token = flat[pos - level + 1]
+    keep = token >= 0
+    pos, nxt, node, token = pos[keep], nxt[keep], node[keep], token[keep]
+    keys, local = np.unique(node * vocab_size + token, return_inverse=True)  # sorted by parent, then token
+    local = local.reshape(-1)
+    follow, _ = _most_frequent(local, nxt, len(keys), vocab_size)
+    levels.append((keys // vocab_size, keys % vocab_size, follow if level >= min_context else np.full_like(follow, -1)))
+    node = start + local
+    start += len(keys)
+  return _assemble(_pruned(levels, vocab_size), vocab_size)
+
+
+def _pruned(levels: list, vocab_size: int) -> list:
+  """`levels` ((parent, key, follow) a level, parents as global node ids)
+  without the nodes that answer as their parent does and have nothing kept
+  below them (a lookup then stops at the parent, whose answer is the same);
+  parents renumbered to match. The tokens' level stays whole."""
+  starts = np.cumsum([0] + [len(lv[1]) for lv in levels])
+  said = [levels[0][2]]  # what a lookup that ends at each node answers
+  for i in range(1, len(levels)):
+    parent, _, follow = levels[i]
+    said.append(np.where(follow >= 0, follow, said[i - 1][parent - starts[i - 1]]))
+  keep = [None] * len(levels)
+  keep[0] = np.ones(vocab_size, bool)
+  for i in range(len(levels) - 1, 0, -1):
+    parent, _, follow = levels[i]
+    has_child = np.zeros(len(follow), bool)
+    if i + 1 < len(levels):
+      has_child[levels[i + 1][0][keep[i + 1]] - starts[i]] = True
+    keep[i] = has_child | ((follow >= 0) & (follow != said[i - 1][parent - starts[i - 1]]))
+  out, new_id, start = [], None, 0
+  for i, (parent, key, follow) in enumerate(levels):
+    k = keep[i]
+    out.append((new_id[parent[k] - starts[i - 1]] if i else parent, key[k], follow[k]))
+    new_id = start + np.cumsum(k) - 1
+    start += int(k.sum())
+  return out
+
+
+def _assemble(levels: list, vocab_size: int) -> DraftTable:
+  """The device table of `levels` (the tokens' level first)."""
+  parents = np.concatenate([lv[0] for lv in levels[1:]]) if len(levels) > 1 else np.zeros(0, np.int64)
+  key = np.concatenate([lv[1] for lv in levels])
+  follow = np.concatenate([lv[2] for lv in levels])
+  children = vocab_size + np.searchsorted(parents, np.arange(len(key) + 1))
+  return _table(children, key, follow, vocab_size, len(levels))
+
+
+def _table(children, key, follow, vocab_size: int, order: int) -> DraftTable:
+  """Checked arrays as a device table; each level's search depth covers its widest range."""
+  children, key, follow = (np.asarray(x, np.int64).reshape(-1) for x in (children, key, follow))
+  n = len(key)
+  if (len(children) != n + 1 or follow.shape != key.shape or not 1 <= vocab_size <= n or order < 1
+          or np.any(children[:-1] > children[1:]) or children[0] != vocab_size or children[-1] != n
+          or np.any(key < 0) or np.any(key >= vocab_size) or np.any(follow < -1) or np.any(follow >= vocab_size)):
+    raise ValueError(f"not a draft table over {vocab_size} tokens: its children do not index its {n} nodes"
+                     " or its tokens are out of range")
+  starts = [0]
+  for _ in range(order):  # a level's nodes are the children of the level before
+    starts.append(int(children[starts[-1]]) if starts[-1] < n else n)
+  widths = np.diff(children)
+  depths = tuple(int(widths[a:b].max(initial=0)).bit_length() for a, b in zip(starts[:-2], starts[1:-1]))
+  return DraftTable(children=jnp.asarray(children.astype(np.int32)), key=jnp.asarray(key.astype(np.int32)),
+                    follow=jnp.asarray(follow.astype(np.int32)), vocab_size=vocab_size, depths=depths)
 
 
 def save(table: DraftTable, path: str) -> None:
   """Written whole or not at all (a temporary file renamed into place)."""
   tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "wb") as f:
-    np.savez_compressed(f, offsets=np.asarray(table.offsets), second=np.asarray(table.second),
-                        follow=np.asarray(table.follow))
+    np.savez_compressed(f, children=np.asarray(table.children), key=np.asarray(table.key),
+                        follow=np.asarray(table.follow), vocab_size=table.vocab_size, order=table.order)
   os.replace(tmp, path)
 
 
 def load(path: str, vocab_size: int | None = None) -> DraftTable:
+  """A saved table; one in the first format (token pairs: offsets, second,
+  follow) becomes the trie of those pairs."""
   with np.load(path) as z:
-    offsets, second, follow = (np.asarray(z[k], np.int32) for k in ("offsets", "second", "follow"))
+    arrays = {k: np.asarray(z[k]) for k in z.files}
+  if "offsets" in arrays:
+    table = _of_pairs(path, arrays)
+  elif {"children", "key", "follow", "vocab_size", "order"} <= set(arrays):
+    try:
+      table = _table(arrays["children"], arrays["key"], arrays["follow"], int(arrays["vocab_size"]),
+                     int(arrays["order"]))
+    except ValueError as e:
+      raise ValueError(f"{path} is {e}") from None
+  else:
+    raise ValueError(f"{path} is not a draft table: it holds {sorted(arrays)}")
+  if vocab_size is not None and table.vocab_size != vocab_size:
+    raise ValueError(f"{path} is a draft table for a vocabulary of {table.vocab_size} tokens; the model has"
+                     f" {vocab_size}")
+  return table
+
+
+def _of_pairs(path: str, z: dict) -> DraftTable:
+  """The first format: for each first token a range (`offsets`) of second tokens and their followers."""
+  offsets, second, follow = (np.asarray(z.get(k, np.zeros(0)), np.int64) for k in ("offsets", "second", "follow"))
   n = len(second)
   if (offsets.ndim != 1 or len(offsets) < 2 or follow.shape != second.shape or offsets[0] != 0
           or offsets[-1] != n or np.any(np.diff(offsets) < 0)):
     raise ValueError(f"{path} is not a draft table: its offsets do not index its {n} entries")
-  if vocab_size is not None and len(offsets) - 1 != vocab_size:
-    raise ValueError(f"{path} is a draft table for a vocabulary of {len(offsets) - 1} tokens; the model has"
-                     f" {vocab_size}")
-  widest = int(np.max(np.diff(offsets)))
-  return DraftTable(offsets=jnp.asarray(offsets), second=jnp.asarray(second), follow=jnp.asarray(follow),
-                    depth=max(widest.bit_length(), 1))
+  v = len(offsets) - 1
+  first = np.repeat(np.arange(v), np.diff(offsets))
+  order = np.lexsort((first, second))  # read backwards: the second token, then the first
+  levels = [(np.full(v, -1), np.arange(v), np.full(v, -1)), (second[order], first[order], follow[order])]
+  return _assemble(levels, v)
 
 
 def answers_of(path: str) -> list[str]:
@@ -164,6 +294,8 @@ def main(argv=None) -> None:
   p.add_argument("--checkpoint", required=True, help="the model whose tokenizer encodes the answers")
   p.add_argument("--answers", required=True, help="comma-separated chat jsonl files (.gz too): their assistant turns")
   p.add_argument("--out", required=True, help=f"the table's file (a model folder's {FILE_NAME} is loaded with it)")
+  p.add_argument("--order", type=int, default=ORDER, help="the longest context kept, in tokens")
+  p.add_argument("--min-context", type=int, default=MIN_CONTEXT, help="the shortest context that answers")
   a = p.parse_args(argv)
   from mdlm_jax import checkpoints, cli
   try:
@@ -171,11 +303,12 @@ def main(argv=None) -> None:
     texts = [t for path in a.answers.split(",") if path.strip() for t in answers_of(path.strip())]
     if not texts:
       raise ValueError(f"no assistant turns in {a.answers}")
-    table = build((loaded.tokenizer.encode(t) for t in texts), loaded.spec.cfg.vocab_size)
+    table = build((loaded.tokenizer.encode(t) for t in texts), loaded.spec.cfg.vocab_size, a.order, a.min_context)
     save(table, a.out)
   except cli.USER_ERRORS as e:
     cli.fail("draft_table", e)
-  print(f"{a.out}: {table.entries} pairs from {len(texts)} answers", file=sys.stderr)
+  print(f"{a.out}: {table.entries} contexts of {a.min_context} to {table.order} tokens from {len(texts)} answers",
+        file=sys.stderr)
 
 
 if __name__ == "__main__":

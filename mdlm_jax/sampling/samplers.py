@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from mdlm_jax import kernels
 from mdlm_jax.diffusion import Schedule
-from mdlm_jax.sampling import rule
+from mdlm_jax.sampling import draft_table, rule
 from mdlm_jax.sampling.gumbel import argmax
 
 Denoise = Callable[[jax.Array, jax.Array], jax.Array]
@@ -446,9 +446,8 @@ class ThresholdSampler(ConfidenceSampler):
         known = jnp.where(col < gs, valid, col <= end[:, None])
         v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, hw - 1))
         if table is not None:  # then the model's table of its own answers goes on from them
-          before = jnp.clip(end - 1, 0, L - 1)
-          v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(
-              text[rows[:, 0], before], (end >= 1) & known[rows[:, 0], before], v.ahead, v.n_ahead))))
+          context = draft_table.context_before(table, text, known, jnp.minimum(end, L - 1))
+          v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(*context, v.ahead, v.n_ahead))))
       rec, n = _record(s["drafts"], s["n_drafts"], toks, record, emit)
       return {"tokens": toks, "cache": pending.commit(v.keep), "filled": filled, "ahead": v.ahead,
               "n_ahead": v.n_ahead, "done": s["done"] | v.ended | (filled >= gl), "drafts": rec, "n_drafts": n,

@@ -1,4 +1,4 @@
-"""Drafts from a table of answers (`sampling.draft_table`) against a dictionary built by hand."""
+"""Drafts from a table of answers (`sampling.draft_table`) against dictionaries built by hand."""
 
 import collections
 import json
@@ -10,81 +10,132 @@ import pytest
 from mdlm_jax.sampling import draft_table
 
 
-def _reference(seqs):
-  """(a, b) -> the most frequent follower, the smallest id on a tie."""
-  counts = collections.defaultdict(collections.Counter)
-  for s in seqs:
-    for a, b, c in zip(s, s[1:], s[2:]):
-      counts[(a, b)][c] += 1
-  return {k: min(c, key=lambda t: (-c[t], t)) for k, c in counts.items()}
+def _reference(seqs, order, min_context):
+  """{context tuple: its most frequent follower (the smallest id on a tie)} for each context length."""
+  tables = {}
+  for n in range(min_context, order + 1):
+    counts = collections.defaultdict(collections.Counter)
+    for s in seqs:
+      for i in range(n - 1, len(s) - 1):
+        counts[tuple(s[i - n + 1:i + 1])][s[i + 1]] += 1
+    tables[n] = {k: min(c, key=lambda t: (-c[t], t)) for k, c in counts.items()}
+  return tables
+
+
+def _answer(tables, context):
+  """The follower of the longest suffix of `context` a table knows, or None."""
+  for n in sorted(tables, reverse=True):
+    if len(context) >= n and tuple(context[-n:]) in tables[n]:
+      return tables[n][tuple(context[-n:])]
+  return None
 
 
 def _random_seqs(rng, vocab, n=40):
-  # A small vocabulary: most pairs recur with several followers, so ties and counts matter.
+  # A small vocabulary: most contexts recur with several followers, so ties and counts matter.
   return [rng.integers(0, vocab, rng.integers(0, 30)).tolist() for _ in range(n)]
 
 
-def test_each_pair_maps_to_its_most_frequent_follower():
+def _probe(rng, vocab, rows, width):
+  """Random contexts whose first tokens (a random count of them) are not known text."""
+  context = rng.integers(0, vocab, (rows, width))
+  known = np.arange(width)[None] >= rng.integers(0, width + 1, rows)[:, None]
+  return context, known
+
+
+@pytest.mark.parametrize("order, min_context", [(4, 1), (4, 2), (2, 2), (3, 1), (5, 3)])
+def test_each_context_maps_to_the_follower_of_its_longest_known_suffix(order, min_context):
   rng = np.random.default_rng()
-  vocab = 7
+  vocab = 6
   seqs = _random_seqs(rng, vocab)
-  table, ref = draft_table.build(seqs, vocab), _reference(seqs)
-  assert table.entries == len(ref)
-  a, b = (x.ravel() for x in np.meshgrid(np.arange(vocab), np.arange(vocab), indexing="ij"))
-  found, follow = table.next_token(jnp.asarray(a), jnp.asarray(b))
-  for i, pair in enumerate(zip(a.tolist(), b.tolist())):
-    assert bool(found[i]) == (pair in ref), pair
-    if pair in ref:
-      assert int(follow[i]) == ref[pair], pair
+  table, ref = draft_table.build(seqs, vocab, order, min_context), _reference(seqs, order, min_context)
+  assert table.order == order
+  context, known = _probe(rng, vocab, 600, order + 1)  # one more token than the table reads
+  found, follow = table.next_token(jnp.asarray(context), jnp.asarray(known))
+  answered = 0
+  for r in range(len(context)):
+    want = _answer(ref, [int(t) for t, k in zip(context[r], known[r]) if k])
+    assert bool(found[r]) == (want is not None), r
+    if want is not None:
+      assert int(follow[r]) == want, r
+      answered += 1
+  assert answered > 100
 
 
-def test_a_wide_vocabulary_finds_pairs_in_long_ranges():
+def test_contexts_that_answer_as_their_shorter_suffix_are_left_out():
+  # "a b c" always goes on with d, and so does every context ending in "b c":
+  # only "c" -> d needs a node; "x c" (followed by y) needs its own.
+  seqs = [[0, 1, 2, 3]] * 3 + [[4, 1, 2, 3]] + [[5, 2, 6]]
+  table = draft_table.build(seqs, 7, order=3, min_context=1)
+  assert table.key.shape[0] == 7 + 1  # the tokens, and "5 2" -> 6 only
+  found, follow = table.next_token(jnp.array([[0, 1, 2], [4, 1, 2], [6, 5, 2], [0, 0, 2]]),
+                                   jnp.ones((4, 3), bool))
+  assert np.asarray(found).all() and np.asarray(follow).tolist() == [3, 3, 6, 3]
+
+
+def test_a_wide_vocabulary_finds_contexts_in_long_ranges():
   rng = np.random.default_rng()
   vocab = 5000
-  # One first token followed by many seconds: the binary search's depth is exercised.
-  seqs = [[3, int(b), int(c)] for b, c in zip(rng.integers(0, vocab, 600), rng.integers(0, vocab, 600))]
-  table, ref = draft_table.build(seqs, vocab), _reference(seqs)
-  probe = list(ref) + [(3, int(x)) for x in rng.integers(0, vocab, 200)] + [(4, 1), (vocab - 1, 0)]
-  found, follow = table.next_token(jnp.asarray([p[0] for p in probe]), jnp.asarray([p[1] for p in probe]))
+  # One last token preceded by many tokens: the binary search's depth is exercised.
+  seqs = [[int(a), 3, int(c)] for a, c in zip(rng.integers(0, vocab, 600), rng.integers(0, vocab, 600))]
+  table, ref = draft_table.build(seqs, vocab, 2, 2), _reference(seqs, 2, 2)
+  probe = list(ref[2]) + [(int(x), 3) for x in rng.integers(0, vocab, 200)] + [(1, 4), (0, vocab - 1)]
+  found, follow = table.next_token(jnp.asarray(probe), jnp.ones((len(probe), 2), bool))
   for i, pair in enumerate(probe):
-    assert bool(found[i]) == (pair in ref)
-    if pair in ref:
-      assert int(follow[i]) == ref[pair]
+    assert bool(found[i]) == (pair in ref[2])
+    if pair in ref[2]:
+      assert int(follow[i]) == ref[2][pair]
 
 
-def _extended(ref, prev, prev_known, ahead, n):
-  """The head with its free columns chained from its last two tokens, in plain Python."""
-  if n < 0 or (n == 0 and not prev_known):
+def _extended(ref, context, known, ahead, n):
+  """The head with its free columns chained from the text's last tokens, in plain Python."""
+  if n < 0:
     return list(ahead), n
-  seq = [prev] + list(ahead[:n + 1])
-  a, b, out = seq[-2], seq[-1], list(ahead[:n + 1])
-  while len(out) < len(ahead) and (a, b) in ref:
-    out.append(ref[(a, b)])
-    a, b = b, out[-1]
+  text = [int(t) for t, k in zip(context, known) if k]
+  out = list(ahead[:n + 1])
+  while len(out) < len(ahead):
+    nxt = _answer(ref, text + out)
+    if nxt is None:
+      break
+    out.append(nxt)
   return out + list(ahead[len(out):]), len(out) - 1
 
 
-def test_a_head_is_extended_by_the_chain_from_its_last_two_tokens():
+def test_a_head_is_extended_by_the_chain_from_the_text_before_it():
   rng = np.random.default_rng()
-  vocab, b, h = 5, 64, 5
+  vocab, b, h, order = 5, 64, 5, 3
   seqs = _random_seqs(rng, vocab, 30)
-  table, ref = draft_table.build(seqs, vocab), _reference(seqs)
+  table, ref = draft_table.build(seqs, vocab, order, 2), _reference(seqs, order, 2)
   ahead = rng.integers(0, vocab, (b, h))
   n = rng.integers(-1, h, b)
-  prev, prev_known = rng.integers(0, vocab, b), rng.random(b) > 0.2
-  out, count = table.extend(jnp.asarray(prev), jnp.asarray(prev_known), jnp.asarray(ahead), jnp.asarray(n))
+  context, known = _probe(rng, vocab, b, order - 1)
+  out, count = table.extend(jnp.asarray(context), jnp.asarray(known), jnp.asarray(ahead), jnp.asarray(n))
   grew = 0
   for r in range(b):
-    want, c = _extended(ref, int(prev[r]), bool(prev_known[r]), ahead[r].tolist(), int(n[r]))
+    want, c = _extended(ref, context[r].tolist(), known[r].tolist(), ahead[r].tolist(), int(n[r]))
     assert int(count[r]) == c, r
     np.testing.assert_array_equal(np.asarray(out[r, :c + 1]), want[:c + 1])
     grew += c > n[r]
   assert grew > 0
 
 
-def test_an_empty_table_extends_nothing():
-  table = draft_table.build([[1, 2]], 4)
-  out, count = table.extend(jnp.array([1]), jnp.array([True]), jnp.array([[2, 3, 0]]), jnp.array([0]))
+def test_the_context_before_a_head_is_read_from_the_text():
+  rng = np.random.default_rng()
+  table = draft_table.build(_random_seqs(rng, 5), 5, order=4)
+  text = rng.integers(0, 5, (3, 10))
+  known = rng.random((3, 10)) > 0.3
+  end = np.array([0, 2, 9])
+  context, ok = draft_table.context_before(table, jnp.asarray(text), jnp.asarray(known), jnp.asarray(end))
+  for r in range(3):
+    for j in range(3):
+      at = end[r] - 3 + j
+      assert bool(ok[r, j]) == (at >= 0 and bool(known[r, at]))
+      if at >= 0:
+        assert int(context[r, j]) == text[r, at]
+
+
+def test_a_table_without_followers_extends_nothing():
+  table = draft_table.build([[1], [], [2]], 4)
+  out, count = table.extend(jnp.array([[0, 1, 1]]), jnp.ones((1, 3), bool), jnp.array([[2, 3, 0]]), jnp.array([0]))
   assert table.entries == 0 and int(count[0]) == 0 and np.asarray(out).tolist() == [[2, 3, 0]]
 
 
@@ -95,16 +146,41 @@ def test_saved_tables_load_and_bad_ones_are_named(tmp_path):
   path = str(tmp_path / "t.npz")
   draft_table.save(table, path)
   back = draft_table.load(path, vocab_size=9)
-  for name in ("offsets", "second", "follow"):
+  for name in ("children", "key", "follow"):
     np.testing.assert_array_equal(getattr(back, name), getattr(table, name))
-  assert back.depth == table.depth
+  assert (back.depths, back.vocab_size) == (table.depths, table.vocab_size)
   with pytest.raises(ValueError, match="vocabulary of 9 tokens; the model has 10"):
     draft_table.load(path, vocab_size=10)
+  bad = dict(np.load(path))
+  bad["key"] = bad["key"] + 9
+  np.savez(str(tmp_path / "bad.npz"), **bad)
+  with pytest.raises(ValueError, match="bad.npz is not a draft table over 9 tokens"):
+    draft_table.load(str(tmp_path / "bad.npz"))
+  np.savez(str(tmp_path / "other.npz"), weights=np.zeros(2))
+  with pytest.raises(ValueError, match=r"not a draft table: it holds \['weights'\]"):
+    draft_table.load(str(tmp_path / "other.npz"))
+  with pytest.raises(ValueError, match="outside"):
+    draft_table.build([[1, 2, 9]], 9)
+
+
+def test_a_table_of_token_pairs_in_the_first_format_loads_as_their_trie(tmp_path):
+  rng = np.random.default_rng()
+  vocab = 8
+  pairs = _reference(_random_seqs(rng, vocab), 2, 2)[2]
+  entries = sorted(pairs)  # by first token, then second
+  offsets = np.searchsorted([a for a, _ in entries], np.arange(vocab + 1))
+  np.savez(str(tmp_path / "pairs.npz"), offsets=offsets, second=np.array([b for _, b in entries]),
+           follow=np.array([pairs[e] for e in entries]))
+  table = draft_table.load(str(tmp_path / "pairs.npz"), vocab_size=vocab)
+  probe = np.array([(a, b) for a in range(vocab) for b in range(vocab)])
+  found, follow = table.next_token(jnp.asarray(probe), jnp.ones(probe.shape, bool))
+  for i, (a, b) in enumerate(probe.tolist()):
+    assert bool(found[i]) == ((a, b) in pairs)
+    if (a, b) in pairs:
+      assert int(follow[i]) == pairs[(a, b)]
   np.savez(str(tmp_path / "bad.npz"), offsets=np.array([0, 5]), second=np.zeros(2), follow=np.zeros(2))
   with pytest.raises(ValueError, match="not a draft table"):
     draft_table.load(str(tmp_path / "bad.npz"))
-  with pytest.raises(ValueError, match="outside"):
-    draft_table.build([[1, 2, 9]], 9)
 
 
 def test_the_command_builds_a_table_from_chat_answers(tmp_path):
@@ -112,12 +188,14 @@ def test_the_command_builds_a_table_from_chat_answers(tmp_path):
   rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "def f(x):\n    return x"}]}]
   path.write_text("\n".join(json.dumps(r) for r in rows * 3) + "\n")
   out = str(tmp_path / "t.npz")
-  draft_table.main(["--checkpoint=mdlm_jax/assets/bd3_code_small", f"--answers={path}", f"--out={out}"])
+  draft_table.main(["--checkpoint=mdlm_jax/assets/bd3_code_small", f"--answers={path}", f"--out={out}",
+                    "--order=3"])
   from mdlm_jax import checkpoints
   loaded = checkpoints.load("mdlm_jax/assets/bd3_code_small")
   ids = loaded.tokenizer.encode("def f(x):\n    return x")
-  table = draft_table.load(out, loaded.spec.cfg.vocab_size)
-  assert table.entries == len(_reference([ids]))
+  table, want = draft_table.load(out, loaded.spec.cfg.vocab_size), draft_table.build([ids] * 3, loaded.spec.cfg.vocab_size, 3)
+  assert table.order == 3 and table.entries == want.entries > 0
+  np.testing.assert_array_equal(table.follow, want.follow)
   (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
   with pytest.raises(ValueError, match="bad.jsonl:1: not a chat record"):
     draft_table.answers_of(str(tmp_path / "bad.jsonl"))

@@ -285,7 +285,7 @@ def test_table_drafts_chain_from_the_text_and_the_base_keeps_its_own(wrong_at, h
   tokens = jnp.concatenate([jnp.array([[1, 2]]), jnp.full((1, len(text)), MASK)], 1)
   lay = Layout(gen_start=gs, gen_len=len(text), mask_id=MASK, eos_id=EOS)
   oracle = Oracle(text, range(20), gs)  # the model's own drafts are never offered (threshold 1)
-  oracle.draft_table = draft_table.build(seqs, V)
+  oracle.draft_table = draft_table.build(seqs, V, order=2, min_context=2)  # chains from the last two tokens
   sampler = revising(4, 1.0, lookup=2, head_width=head_width)
   out = sampler.run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32), lay)
   np.testing.assert_array_equal(np.asarray(out["tokens"][0, gs:]), text)
