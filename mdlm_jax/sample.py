@@ -51,10 +51,10 @@ def parse(argv):
                       " LOOKUP tokens occurred before (0 to 4; 0: the model's drafts only). Default: as the effort"
                       " has it (2 at medium and high)")
   p.add_argument("--head-width", type=int, default=None,
-                 help="with revision: the columns of the verified head (at least the block size; default the block"
-                      " size). Copied and table drafts run past the model's block, so a wider head keeps more"
-                      " tokens a pass (the packaged default's HumanEval chat answers: 2.12 a pass at 4, 2.51 at"
-                      " 8); the text stays the base's")
+                 help="with revision: the columns of the verified head (at least the block size; 0: the block"
+                      " size; default: as the effort has it, 6 on CPU with copied drafts). Copied and table drafts"
+                      " run past the model's block, so a wider head keeps more tokens a pass (the packaged"
+                      " default's HumanEval chat answers: 2.37 a pass at 4, 2.72 at 6); the text stays the base's")
   p.add_argument("--model-drafts", action=argparse.BooleanOptionalAction, default=None,
                  help="with revision: whether each pass also runs the model's masked block, whose proposals are"
                       " drafts (--no-model-drafts: copies and the draft table draft, and a pass carries the head's"

@@ -107,14 +107,17 @@ class Engine:
   one launch runs up to this many passes, until a request ends
   (`_passes_for`): the host's launch, planning and publishing are paid once
   for them. Text then streams this many passes at a time, and a request that
-  arrives for a free slot waits for the launch in flight. 1: a launch a pass."""
+  arrives for a free slot waits for the launch in flight. 1: a launch a pass.
+  `head_width`: the columns of a revising request's verified head (None: what
+  the presets verify on this backend, `presets.head_width_for`; 0: the
+  block). A revising request's sampler names this width or 0."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
                admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
                prefill_chunk: int = 0, decode_dtype: str = "float32", run_ahead: bool = True,
-               draft_table: bool = True, passes_per_turn: int = PASSES_PER_TURN):
+               draft_table: bool = True, passes_per_turn: int = PASSES_PER_TURN, head_width: int | None = None):
     if loaded.spec.cfg.causal:  # an AR checkpoint: blocks of one token, each pass commits the next
       if block_size not in (None, 1):
         raise ValueError(f"an autoregressive checkpoint decodes one token a pass; block_size must be 1, got"
@@ -135,9 +138,11 @@ class Engine:
     tok = loaded.tokenizer
     self.loaded, self.tok, self.mesh = few, tok, mesh
     self.draft_table = loaded.draft_table if draft_table else None
+    if head_width is None:
+      head_width = presets.head_width_for(bs) if loaded.spec.cfg.clean_causal else 0
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, min(max_new_tokens, (context - 1) // bs * bs),
                                    tok.mask_id, tok.eos_id, loaded.spec.cfg.vocab_size, context,
-                                   read_only_ids=never_generated(tok))
+                                   read_only_ids=never_generated(tok), head_width=head_width)
     self.max_queue = max_queue
     if admit_batch < 1:
       raise ValueError(f"admit_batch must be positive, got {admit_batch}")
@@ -449,9 +454,11 @@ class Engine:
       raise ValueError(f"the engine decodes with a KV-cached sampler of {', '.join(RULES)} in blocks of"
                        f" {self.sc.block_size} (engine.sampler_for builds one); got {smp!r}")
     smp.check_vocabulary(self.sc.vocab_size)
-    if getattr(smp, "head_width", 0) not in (0, self.sc.block_size):
-      raise ValueError(f"the engine verifies a head of its block size ({self.sc.block_size}); head_width="
-                       f"{smp.head_width} is the one-shot generator's (`sample --head-width`)")
+    # Without copied or table drafts a head never holds more than the block's drafts: any width decodes alike.
+    if smp.revises and smp.lookup and (smp.head_width or self.sc.block_size) != self.sc.head:
+      raise ValueError(f"this engine verifies heads of {self.sc.head} columns (Engine(head_width=...)); the"
+                       f" request's sampler asks for head_width={smp.head_width} (0: the block,"
+                       f" {self.sc.block_size}); engine.sampler_for builds one that fits")
     if smp.revises:
       if not self.loaded.spec.cfg.clean_causal:
         raise ValueError("revise keeps the drafts its base agrees with: it needs an AR model adapted to diffusion"
@@ -816,7 +823,7 @@ class Engine:
     for row, h in enumerate(self._slots):
       if h is None or h.prefilling or (owners is not None and owners[row] is not h):
         continue
-      events, done = events_for(h, row, snap, self.tok, self.sc.block_size)
+      events, done = events_for(h, row, snap, self.tok)
       for ev in events:
         h._push(ev)
       if done is not None:

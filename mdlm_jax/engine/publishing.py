@@ -45,11 +45,11 @@ class Snapshot:
     """From the slot state's own fields (`block`: finished blocks; `filled`
     and `n_ahead`: a revising row's verified tokens and drafts offered)."""
     kept = np.where(revise, filled, block * block_size)
-    shown = (np.arange(block_size)[None] <= n_ahead[:, None]) & revise[:, None]
+    shown = (np.arange(ahead.shape[1])[None] <= n_ahead[:, None]) & revise[:, None]
     return cls(gen, kept, active, passes, head, np.where(shown, ahead, mask_id), logprobs)
 
 
-def events_for(h: Handle, row: int, snap: Snapshot, tok, block_size: int) -> tuple[list[Event], Event | None]:
+def events_for(h: Handle, row: int, snap: Snapshot, tok) -> tuple[list[Event], Event | None]:
   """The events row `row`'s state gives request `h` since the last publish:
   those to push now, and its "done" event if it ended (the engine frees the
   slot with it). Updates the handle's record of what it has sent."""
@@ -70,7 +70,8 @@ def events_for(h: Handle, row: int, snap: Snapshot, tok, block_size: int) -> tup
     shown = ids
     if r.sampler.revises and not done:
       shown = ids.copy()
-      shown[kept:kept + block_size] = snap.ahead[row][:len(shown[kept:kept + block_size])]
+      w = snap.ahead.shape[1]  # the head's columns
+      shown[kept:kept + w] = snap.ahead[row][:len(shown[kept:kept + w])]
     out.append(Event("draft", text if done else draft_text(tok, shown), passes=passes))
   # `finish` holds back what a later block could still change (a split
   # character, the start of a stop string): the rest is sent once.

@@ -93,6 +93,19 @@ class SlotConfig:
   read_only_ids: tuple[int, ...] = ()
   # The most prompt tokens (its end) that revising rows copy drafts from.
   max_lookup_context: int = 4096
+  # Columns of a revising row's verified head (0: the block size): the base's
+  # next token and the drafts after it. Copied and table drafts run past the
+  # model's block, so a wider head keeps more a pass (`ThresholdSampler.head_width`).
+  head_width: int = 0
+
+  def __post_init__(self):
+    if self.head_width and self.head_width < self.block_size:
+      raise ValueError(f"head_width must be 0 or at least the block size {self.block_size}, got {self.head_width}")
+
+  @property
+  def head(self) -> int:
+    """A revising row's head columns."""
+    return self.head_width or self.block_size
 
   @property
   def never_proposed(self) -> tuple[int, ...]:
@@ -125,7 +138,7 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
                head=flags(), active=flags(), n_blocks=zeros(),
                decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
                key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), filled=zeros(),
-               ahead=jnp.zeros((s, bs), jnp.int32), n_ahead=zeros(),
+               ahead=jnp.zeros((s, sc.head), jnp.int32), n_ahead=zeros(),
                context=jnp.full((s, sc.lookup_window), -1, jnp.int32), constrained=flags(), cursor=zeros(),
                allowed=jnp.zeros((s, grammar.bitmask_words(spec.cfg.vocab_size)), jnp.uint32),
                proposal=jnp.zeros((s, bs), jnp.int32), picked=jnp.zeros((s, bs), bool), proposed=flags(),
@@ -239,6 +252,7 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   block_rows = s.active & ~s.decoding.revise  # revising rows move only in revising passes
   if head_only and (not revising or guided or logprobs):
     raise ValueError("a pass of heads alone is a revising pass without guided rows or log-probabilities")
+  hw = sc.head
   if revising:
     if not with_head:
       raise ValueError("revising rows need passes with heads")
@@ -246,23 +260,28 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     head_valid = s.head & moving
     at = (s.prompt_len + s.filled)[:, None]
     r = rev[:, None]
-    col = s.filled[:, None] + lane
+    head_lane = jnp.arange(hw, dtype=jnp.int32)[None]
+    col = s.filled[:, None] + head_lane
     if head_only:
       # The heads alone: their logits and, after them, the base's next token. A
       # row that does not revise is idle here (the engine's plan): its first
       # column stays valid so that no query reads nothing.
-      logits, pending = model.forward_speculative(s.ahead, at + lane, s.cache,
-                                                  jnp.where(r, lane <= s.n_ahead[:, None], lane == 0))
+      logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache,
+                                                  jnp.where(r, head_lane <= s.n_ahead[:, None], head_lane == 0))
       columns = jnp.concatenate([col, col[:, :1] + s.n_ahead[:, None] + 1], 1)
     else:
+      # A row decoding blocks sends its finished block in the head's first
+      # columns (the rest not valid: never read, never kept), then its block.
+      wide = lambda x: jnp.pad(x, ((0, 0), (0, hw - bs)), mode="edge")  # noqa: E731
       tokens = jnp.where(r, jnp.concatenate([s.ahead, jnp.full_like(tail, sc.mask_id)], 1),
-                         jnp.concatenate([take(s.gen, jnp.maximum(lo - bs, 0)), tail], 1))
-      positions = jnp.where(r, jnp.concatenate([at + lane, at + s.n_ahead[:, None] + 1 + lane], 1),
-                            jnp.concatenate([jnp.maximum(tail_pos - bs, 0), tail_pos], 1))
+                         jnp.concatenate([wide(take(s.gen, jnp.maximum(lo - bs, 0))), tail], 1))
+      positions = jnp.where(r, jnp.concatenate([at + head_lane, at + s.n_ahead[:, None] + 1 + lane], 1),
+                            jnp.concatenate([wide(jnp.maximum(tail_pos - bs, 0)), tail_pos], 1))
       logits, pending = model.forward_speculative(tokens, positions, s.cache,
-                                                  jnp.where(r, lane <= s.n_ahead[:, None], head_valid[:, None]))
-      columns = jnp.where(r, jnp.concatenate([col, col + s.n_ahead[:, None] + 1], 1),
-                          jnp.concatenate([columns - bs, columns], 1))
+                                                  jnp.where(r, head_lane <= s.n_ahead[:, None],
+                                                            head_valid[:, None] & (head_lane < bs)))
+      columns = jnp.where(r, jnp.concatenate([col, col[:, :bs] + s.n_ahead[:, None] + 1], 1),
+                          jnp.concatenate([wide(columns - bs), columns], 1))
     keys = rule.pass_keys(s.key, jnp.where(rev, 0, s.block), jnp.where(rev, 0, s.step))  # one draw a column
     cache = None
   elif with_head:
@@ -290,15 +309,15 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   if revising:  # the blocks' proposals are the tail's; the revising rows' verifications, the head's
     kept_logp = None
     if logprobs:  # of the head's own tokens (a draw's is its proposal's only where nothing moved the logits)
-      lsm = jax.nn.log_softmax(rule.exclude(logits[:, :bs], sc.never_proposed), axis=-1)
+      lsm = jax.nn.log_softmax(rule.exclude(logits[:, :hw], sc.never_proposed), axis=-1)
       kept_logp = jnp.take_along_axis(lsm, s.ahead[..., None], axis=-1)[..., 0]
-    odds = rule.draft_odds(logits[:, :bs], s.ahead, sc.never_proposed)
-    verifying = (x0[:, :bs], odds, kept_logp, None if top is None else tuple(x[:, :bs] for x in top))
-    x0, conf = x0[:, bs:], conf[:, bs:]
+    odds = rule.draft_odds(logits[:, :hw], s.ahead, sc.never_proposed)
+    verifying = (x0[:, :hw], odds, kept_logp, None if top is None else tuple(x[:, :hw] for x in top))
+    x0, conf = x0[:, hw:], conf[:, hw:]
     if head_only:  # the base's next token and no drafts after it (conf -1: never offered)
       x0 = jnp.concatenate([x0, jnp.full((x0.shape[0], bs - 1), sc.mask_id, x0.dtype)], 1)
       conf = jnp.concatenate([conf, jnp.full((conf.shape[0], bs - 1), -1.0, conf.dtype)], 1)
-    top = None if top is None else tuple(x[:, bs:] for x in top)
+    top = None if top is None else tuple(x[:, hw:] for x in top)
   candidates = (tail == sc.mask_id) & moving[:, None]
   picked = rule.picks(d, conf, candidates, s.step)
   commit = picked & ~s.constrained[:, None] if guided else picked
@@ -325,10 +344,11 @@ def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_co
   """A revising pass's results: the verified head tokens of `rev` rows are
   kept (the cache of every row is committed here: the block rows' finished
   blocks too), and the next head is the base's token and the tail's drafts."""
-  bs = sc.block_size
-  lane = jnp.arange(bs, dtype=jnp.int32)[None]
+  bs, hw = sc.block_size, sc.head
+  lane = jnp.arange(hw, dtype=jnp.int32)[None]
   v = rule.verify(s.ahead, s.n_ahead, base_x0, tail_x0, tail_conf, s.decoding.threshold, sc.eos_id,
                   jnp.where(rev, s.n_blocks * bs - s.filled, 0), odds, s.decoding.agreement)
+  v = v.replace(ahead=jnp.pad(v.ahead, ((0, 0), (0, hw - v.ahead.shape[1]))))  # the next head: hw columns
   rows = jnp.arange(s.gen.shape[0])[:, None]
   cols = s.filled[:, None] + lane
   kept = rev[:, None] & (lane < v.keep[:, None])
@@ -363,7 +383,7 @@ def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled, table=None)
     col = jnp.arange(s.gen.shape[1])[None]
     known = jnp.concatenate([s.context >= 0, col <= filled[:, None]], 1)
     end = jnp.minimum(w + filled, text.shape[1] - 1)
-    out = rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.block_size - 1))
+    out = rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.head - 1))
     if table is not None:  # then the model's table of its own answers goes on from them
       ahead, n_ahead = table.extend(*draft_table.context_before(table, text, known, end), out.ahead, out.n_ahead)
       use = s.decoding.lookup > 0

@@ -49,37 +49,37 @@ def test_kept_text_goes_out_once_and_a_held_stop_prefix_waits():
   h = _handle(stop=["\n\n"])
   words = "".join(rng.choice(list("abcdefgh"), 3))
   first = _ids(words + "\n")  # one block; its last character may start the stop string
-  events, done = events_for(h, 0, _snap(first, 1), TOK, BLOCK)
+  events, done = events_for(h, 0, _snap(first, 1), TOK)
   assert _texts(events) == [("delta", words)] and done is None  # "\n" held back
-  events, done = events_for(h, 0, _snap(first, 1), TOK, BLOCK)
+  events, done = events_for(h, 0, _snap(first, 1), TOK)
   assert events == [] and done is None  # nothing new kept: nothing sent
   second = first + _ids("\nabc")
-  events, done = events_for(h, 0, _snap(second, 2), TOK, BLOCK)
+  events, done = events_for(h, 0, _snap(second, 2), TOK)
   assert events == [] and done.kind == "done" and done.text == words and done.finish_reason == "stop"
 
 
 def test_an_ended_row_sends_its_tail_and_counts_its_tokens():
   h = _handle(max_tokens=6)
   gen = _ids("abcdef")
-  events, done = events_for(h, 0, _snap(gen, 1), TOK, BLOCK)
+  events, done = events_for(h, 0, _snap(gen, 1), TOK)
   assert _texts(events) == [("delta", "abcd")]
-  events, done = events_for(h, 0, _snap(gen, 2, active=False), TOK, BLOCK)
+  events, done = events_for(h, 0, _snap(gen, 2, active=False), TOK)
   assert _texts(events) == [("delta", "ef")]
   assert (done.text, done.finish_reason, done.completion_tokens, done.passes) == ("abcdef", "length", 6, 3)
 
 
 def test_eos_ends_a_request_with_stop():
   h = _handle()
-  events, done = events_for(h, 0, _snap(_ids("ab") + [EOS, 4], 1, active=False), TOK, BLOCK)
+  events, done = events_for(h, 0, _snap(_ids("ab") + [EOS, 4], 1, active=False), TOK)
   assert _texts(events) == [("delta", "ab")] and (done.text, done.finish_reason) == ("ab", "stop")
 
 
 def test_drafts_show_masks_and_a_revising_rows_offers():
   h = _handle(want_drafts=True)
-  events, _ = events_for(h, 0, _snap(_ids("abcd") + _ids("e") + [MASK] * 3, 1), TOK, BLOCK)
+  events, _ = events_for(h, 0, _snap(_ids("abcd") + _ids("e") + [MASK] * 3, 1), TOK)
   assert events[0].kind == "draft" and events[0].text == "abcde" + MASK_TEXT * 7
   # A revising row: 5 tokens verified, the base's next token and one draft offered (n_ahead=1).
   h = _handle(want_drafts=True, revise=True)
   gen = _ids("abcde") + [MASK] * 7
-  events, _ = events_for(h, 0, _snap(gen, 1, revise=True, filled=5, ahead=_ids("fg"), n_ahead=1), TOK, BLOCK)
+  events, _ = events_for(h, 0, _snap(gen, 1, revise=True, filled=5, ahead=_ids("fg"), n_ahead=1), TOK)
   assert _texts(events) == [("draft", "abcdefg" + MASK_TEXT * 5), ("delta", "abcde")]

@@ -60,11 +60,13 @@ def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
     engine.submit(Request(engine.encode("x"), 8, revising, suffix_ids=engine.encode("y", add_bos=False)))
   with pytest.raises(ValueError, match="grammar"):
     engine.submit(Request(engine.encode("x"), 8, revising, grammar=grammar.Grammar.json_object()))
-  with pytest.raises(ValueError, match="head of its block size"):
-    engine.submit(Request(engine.encode("x"), 8, dataclasses.replace(revising, head_width=2 * engine.sc.block_size)))
+  with pytest.raises(ValueError, match=f"verifies heads of {engine.sc.head} columns"):
+    engine.submit(Request(engine.encode("x"), 8, dataclasses.replace(revising, lookup=2, head_width=engine.sc.head + 1)))
+  with pytest.raises(ValueError, match="head_width must be 0 or at least the block size 4"):
+    Engine(models[1], num_slots=1, max_prompt=32, max_new_tokens=16, head_width=3)
   plain = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=16, max_new_tokens=8, block_size=8)
   with pytest.raises(ValueError, match="adapted to diffusion"):
-    plain.submit(Request(plain.encode("x"), 8, dataclasses.replace(revising, block_size=plain.sc.block_size)))
+    plain.submit(Request(plain.encode("x"), 8, dataclasses.replace(revising, block_size=plain.sc.block_size, head_width=0)))
 
 
 def test_drafts_show_what_a_revising_row_sends_ahead_and_a_taken_back_token_changing(models, engine):
@@ -96,6 +98,26 @@ def test_passes_with_and_without_the_masked_block_are_the_generators(models, eng
   assert got.text == want.completions[0].text == base.completions[0].text
   assert got.passes == want.forward_passes
   assert (engine.stats["steps_head_only"] > heads_only) == (not model_drafts)
+
+
+def test_a_wide_head_beside_a_block_request_takes_the_generators_passes(models, engine):
+  """A revising row's head wider than the block shares a pass with a row decoding blocks, whose finished block
+  fills the head's first columns: each writes the generator's text, the revising row in the generator's passes
+  (that a wide head keeps more a pass: the table test below, and the generator's tests)."""
+  ar, adapted = models
+  prompt, n = "x = 1\n" * 4, 16
+  assert engine.sc.head > engine.sc.block_size or not presets.head_width_for(4)
+  base = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  revising = engine.sampler_for("medium", revise=True, temperature=0.0, lookup=1, model_drafts=True,
+                                head_width=engine.sc.head)
+  block = engine.sampler_for("medium", revise=False, temperature=0.0)
+  a = engine.submit(Request(engine.encode(prompt), n, revising, seed=0))
+  b = engine.submit(Request(engine.encode(PROMPTS[1]), n, block, seed=0))
+  got_a, got_b = a.result(timeout=300), b.result(timeout=300)
+  want = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=revising)
+  assert got_a.text == want.completions[0].text == base.completions[0].text
+  assert got_a.passes == want.forward_passes
+  assert got_b.text == Generator(adapted).generate([PROMPTS[1]], max_new_tokens=n, sampler=block).completions[0].text
 
 
 def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
@@ -195,6 +217,9 @@ def test_table_drafts_take_the_passes_the_generator_takes(models):
   off = Generator(adapted, draft_table=False).generate([prompt], max_new_tokens=n, sampler=sampler)
   assert got.text == want.completions[0].text == off.completions[0].text == base.completions[0].text
   assert got.passes == want.forward_passes < off.forward_passes
+  if sampler.head_width > sampler.block_size:  # the chain ran past the block
+    narrow = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=dataclasses.replace(sampler, head_width=0))
+    assert want.forward_passes < narrow.forward_passes
 
 
 @pytest.mark.slow
