@@ -410,8 +410,13 @@ class Engine:
     return ([self.tok.bos_id] if add_bos and self.tok.adds_bos else []) + self.tok.encode(text)
 
   def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ConfidenceSampler:
-    """The decoding an effort means for this engine's model (`presets.for_model`)."""
-    return presets.for_model(effort, self.sc.block_size, in_order=self.loaded.spec.cfg.clean_causal, **overrides)
+    """The decoding an effort means for this engine's model (`presets.for_model`),
+    revising with copied drafts in heads of this engine's width unless
+    `head_width` says otherwise."""
+    smp = presets.for_model(effort, self.sc.block_size, in_order=self.loaded.spec.cfg.clean_causal, **overrides)
+    if smp.revises and smp.lookup and overrides.get("head_width") is None:
+      smp = dataclasses.replace(smp, head_width=self.sc.head)
+    return smp
 
   @property
   def kv_cache_bytes(self) -> int:
