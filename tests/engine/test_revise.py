@@ -64,6 +64,9 @@ def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
     engine.submit(Request(engine.encode("x"), 8, dataclasses.replace(revising, lookup=2, head_width=engine.sc.head + 1)))
   with pytest.raises(ValueError, match="head_width must be 0 or at least the block size 4"):
     Engine(models[1], num_slots=1, max_prompt=32, max_new_tokens=16, head_width=3)
+  narrow = Engine(models[1], num_slots=1, max_prompt=32, max_new_tokens=16, head_width=0)
+  assert narrow.sampler_for("medium", revise=True, lookup=2).head_width == narrow.sc.head == 4
+  assert engine.sampler_for("medium", revise=True, lookup=2).head_width == engine.sc.head
   plain = Engine(checkpoints.load(tiny_checkpoints["mdlm"]), num_slots=1, max_prompt=16, max_new_tokens=8, block_size=8)
   with pytest.raises(ValueError, match="adapted to diffusion"):
     plain.submit(Request(plain.encode("x"), 8, dataclasses.replace(revising, block_size=plain.sc.block_size, head_width=0)))
