@@ -64,6 +64,12 @@ def parse(argv):
                  help="comma-separated on/off: each revision setting with lookup again drafting from the model's"
                       " table of its own answers (sampling.draft_table) or not; 'on' where the model has none"
                       " is the same as off")
+  p.add_argument("--narrow-passes", default="off",
+                 help="comma-separated off/on: each revision setting without the model's drafts with every pass the"
+                      " head's width (off), or as narrow as its drafts, of widths 1, 2, 4 and the head's, the draft"
+                      " table's chains cut below --table-floor (on)")
+  p.add_argument("--table-floor", type=float, default=0.1,
+                 help="with --narrow-passes on: the chance below which the draft table's chains stop")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
   p.add_argument("--answer-tokens", type=int, default=256, help="the most tokens a chat answer takes")
   p.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (0: skip)")
@@ -104,6 +110,11 @@ def parse(argv):
   a.draft_tables = [x.strip() for x in a.draft_tables.split(",") if x.strip()]
   if not a.draft_tables or any(x not in ("on", "off") for x in a.draft_tables):
     p.error(f"--draft-tables must be a comma-separated subset of on,off, got {a.draft_tables!r}")
+  a.narrow_passes = [x.strip() for x in a.narrow_passes.split(",") if x.strip()]
+  if not a.narrow_passes or any(x not in ("off", "on") for x in a.narrow_passes):
+    p.error(f"--narrow-passes must be a comma-separated subset of off,on, got {a.narrow_passes!r}")
+  if not 0 <= a.table_floor <= 1:
+    p.error(f"--table-floor must be in [0, 1], got {a.table_floor}")
   if any(e not in EFFORTS for e in a.efforts):
     p.error(f"--efforts must be a comma-separated subset of {', '.join(EFFORTS)}")
   if not a.efforts and not a.revise_thresholds:
@@ -230,11 +241,15 @@ def main(argv=None):
   settings = {e: {"revise": False} for e in a.efforts}
   has_table = adapted.draft_table is not None
   drafts = {"auto": None, "on": True, "off": False}
-  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table, drafts[m]):
+  bs = presets.block_size_for(adapted.config.diffusion.block_size)
+  head = presets.head_width_for(bs) or bs
+  narrow = {"off": {}, "on": {"pass_widths": tuple(w for w in (1, 2, 4) if w < head) + (head,),
+                              "table_floor": a.table_floor}}
+  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table, drafts[m], w == "on" and n > 0):
                    {"revise": True, "threshold": t, "agreement": g, "lookup": n,
-                    **({} if drafts[m] is None else {"model_drafts": drafts[m]})}
+                    **({} if drafts[m] is None else {"model_drafts": drafts[m]}), **(narrow[w] if n else {})}
                    for t in a.revise_thresholds for g in a.agreements for n in a.lookups for table in a.draft_tables
-                   for m in a.model_drafts})
+                   for m in a.model_drafts for w in a.narrow_passes})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
@@ -269,14 +284,15 @@ def main(argv=None):
 
 
 def revision_name(threshold: float, agreement: float, lookup: int = 0, table: bool = False,
-                  model_drafts: bool | None = None) -> str:
+                  model_drafts: bool | None = None, narrow: bool = False) -> str:
   """A revision setting's row: its draft threshold, its agreement where below
   1, its lookup where drafts are copied, whether the model's draft table
-  chains more and, where set rather than the presets' choice, whether the
-  model's masked block drafts."""
+  chains more, where set rather than the presets' choice whether the model's
+  masked block drafts, and whether passes are as narrow as their drafts."""
   return (f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
           + (f"+lookup{lookup}" if lookup else "") + ("+table" if table else "")
-          + ("" if model_drafts is None else "+model-drafts" if model_drafts else "+no-model-drafts"))
+          + ("" if model_drafts is None else "+model-drafts" if model_drafts else "+no-model-drafts")
+          + ("+narrow" if narrow else ""))
 
 
 def _effort(name: str) -> str:

@@ -110,14 +110,18 @@ class Engine:
   arrives for a free slot waits for the launch in flight. 1: a launch a pass.
   `head_width`: the columns of a revising request's verified head (None: what
   the presets verify on this backend, `presets.head_width_for`; 0: the
-  block). A revising request's sampler names this width or 0."""
+  block). A revising request's sampler names this width or 0.
+  `pass_widths`: the widths a pass of revising heads alone may take, the
+  narrowest that holds its drafts (`ThresholdSampler.pass_widths`; (): always
+  the head's). A revising request's sampler names these or none."""
 
   def __init__(self, loaded: LoadedModel, *, num_slots: int = 8, max_prompt: int = 512,
                max_new_tokens: int = 512, block_size: int | None = None, max_queue: int = 256, mesh=None,
                weight_layout: str | None = None, grammar_policy: str = grammar_lib.ACCEPT_POLICIES[0],
                admit_batch: int = 1, max_context: int | None = None, admit_wait_s: float = 0.0,
                prefill_chunk: int = 0, decode_dtype: str = "float32", run_ahead: bool = True,
-               draft_table: bool = True, passes_per_turn: int = PASSES_PER_TURN, head_width: int | None = None):
+               draft_table: bool = True, passes_per_turn: int = PASSES_PER_TURN, head_width: int | None = None,
+               pass_widths: tuple[int, ...] = ()):
     if loaded.spec.cfg.causal:  # an AR checkpoint: blocks of one token, each pass commits the next
       if block_size not in (None, 1):
         raise ValueError(f"an autoregressive checkpoint decodes one token a pass; block_size must be 1, got"
@@ -142,7 +146,8 @@ class Engine:
       head_width = presets.head_width_for(bs) if loaded.spec.cfg.clean_causal else 0
     self.sc = slots_lib.SlotConfig(num_slots, bs, max_prompt, min(max_new_tokens, (context - 1) // bs * bs),
                                    tok.mask_id, tok.eos_id, loaded.spec.cfg.vocab_size, context,
-                                   read_only_ids=never_generated(tok), head_width=head_width)
+                                   read_only_ids=never_generated(tok), head_width=head_width,
+                                   pass_widths=tuple(pass_widths))
     self.max_queue = max_queue
     if admit_batch < 1:
       raise ValueError(f"admit_batch must be positive, got {admit_batch}")
@@ -411,12 +416,16 @@ class Engine:
 
   def sampler_for(self, effort: str = presets.DEFAULT_EFFORT, **overrides) -> ConfidenceSampler:
     """The decoding an effort means for this engine's model (`presets.for_model`),
-    revising with copied drafts in heads of this engine's width unless
-    `head_width` says otherwise."""
+    revising with copied drafts in heads of this engine's width, and passes
+    of heads alone in its pass widths, unless `head_width` or `pass_widths`
+    says otherwise."""
     smp = presets.for_model(effort, self.sc.block_size, in_order=self.loaded.spec.cfg.clean_causal, **overrides)
+    fit = {}
     if smp.revises and smp.lookup and overrides.get("head_width") is None:
-      smp = dataclasses.replace(smp, head_width=self.sc.head)
-    return smp
+      fit["head_width"] = self.sc.head
+    if smp.revises and smp.lookup and not smp.model_drafts and overrides.get("pass_widths") is None:
+      fit["pass_widths"] = self.sc.pass_widths
+    return dataclasses.replace(smp, **fit) if fit else smp
 
   @property
   def kv_cache_bytes(self) -> int:
@@ -464,6 +473,10 @@ class Engine:
       raise ValueError(f"this engine verifies heads of {self.sc.head} columns (Engine(head_width=...)); the"
                        f" request's sampler asks for head_width={smp.head_width} (0: the block,"
                        f" {self.sc.block_size}); engine.sampler_for builds one that fits")
+    if smp.revises and smp.pass_widths and tuple(smp.pass_widths) != self.sc.pass_widths:
+      raise ValueError(f"this engine's passes of heads alone take widths {self.sc.pass_widths or (self.sc.head,)}"
+                       f" (Engine(pass_widths=...)); the request's sampler asks for pass_widths={smp.pass_widths};"
+                       " engine.sampler_for builds one that fits")
     if smp.revises:
       if not self.loaded.spec.cfg.clean_causal:
         raise ValueError("revise keeps the drafts its base agrees with: it needs an AR model adapted to diffusion"

@@ -97,10 +97,17 @@ class SlotConfig:
   # next token and the drafts after it. Copied and table drafts run past the
   # model's block, so a wider head keeps more a pass (`ThresholdSampler.head_width`).
   head_width: int = 0
+  # The widths a pass of heads alone may take, increasing, the last the
+  # head's; each such pass takes the smallest that holds every revising row's
+  # drafts (`Transformer.forward_speculative`). (): always the head's width.
+  pass_widths: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.head_width and self.head_width < self.block_size:
       raise ValueError(f"head_width must be 0 or at least the block size {self.block_size}, got {self.head_width}")
+    widths = tuple(self.pass_widths)
+    if widths and (any(w < 1 for w in widths) or list(widths) != sorted(set(widths)) or widths[-1] != self.head):
+      raise ValueError(f"pass_widths must increase from at least 1 to the head's width {self.head}, got {widths}")
 
   @property
   def head(self) -> int:
@@ -266,8 +273,12 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
       # The heads alone: their logits and, after them, the base's next token. A
       # row that does not revise is idle here (the engine's plan): its first
       # column stays valid so that no query reads nothing.
-      logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache,
-                                                  jnp.where(r, head_lane <= s.n_ahead[:, None], head_lane == 0))
+      valid = jnp.where(r, head_lane <= s.n_ahead[:, None], head_lane == 0)
+      if sc.pass_widths:  # the narrowest pass that holds every revising row's drafts
+        need = 1 + jnp.max(jnp.where(rev, s.n_ahead, 0))
+        logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache, valid, sc.pass_widths, need)
+      else:
+        logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache, valid)
       columns = jnp.concatenate([col, col[:, :1] + s.n_ahead[:, None] + 1], 1)
     else:
       # A row decoding blocks sends its finished block in the head's first
@@ -385,7 +396,8 @@ def _with_lookup(sc: SlotConfig, s: Slots, v: rule.Verified, filled, table=None)
     end = jnp.minimum(w + filled, text.shape[1] - 1)
     out = rule.with_lookup(v, *rule.lookup_drafts(text, known, end, s.decoding.lookup, sc.head - 1))
     if table is not None:  # then the model's table of its own answers goes on from them
-      ahead, n_ahead = table.extend(*draft_table.context_before(table, text, known, end), out.ahead, out.n_ahead)
+      ahead, n_ahead = table.extend(*draft_table.context_before(table, text, known, end), out.ahead, out.n_ahead,
+                                    s.decoding.table_floor)
       use = s.decoding.lookup > 0
       out = out.replace(ahead=jnp.where(use[:, None], ahead, out.ahead), n_ahead=jnp.where(use, n_ahead, out.n_ahead))
     return out

@@ -48,9 +48,9 @@ class Turn:
 
 # A request's decoding settings travel to the other processes as the rule's name (its
 # index in RULES) and field by field from the rules' own definitions: every float field as
-# a float, every int or bool field as an int, logit_bias as its arrays; block_size and
-# kv_cache are the engine's (`_check`).
-_ENGINE_FIXED = ("block_size", "kv_cache")
+# a float, every int or bool field as an int, logit_bias as its arrays; block_size,
+# kv_cache and pass_widths are the engine's (`_check`).
+_ENGINE_FIXED = ("block_size", "kv_cache", "pass_widths")
 _RULE_NAMES = tuple(RULES)
 _SAMPLER_FIELDS = {f.name: f.default for kind in RULES.values() for f in dataclasses.fields(kind)}
 _FLOAT_SETTINGS = tuple(k for k, v in _SAMPLER_FIELDS.items() if isinstance(v, float))

@@ -63,6 +63,47 @@ def dense(x2d, w2d, dtype, out_in: bool = False, noisy=None):
   return kernels.out_in_matmul(x2d, w2d) if out_in else x2d @ w2d
 
 
+class Narrow:
+  """A pass whose last columns are padding (a revising head with few drafts):
+  its products run over each row's first w columns only, w the narrowest of
+  `widths` (the last the pass's width) that holds `need` (a traced count).
+  One switch a product, whose branches only read their operands: the cache,
+  written outside them, is never copied. The padding columns' products are
+  zeros."""
+
+  def __init__(self, widths: Sequence[int], need):
+    self.widths = tuple(widths)
+    self.index = jnp.minimum(jnp.sum(jnp.asarray(self.widths, jnp.int32) < need), len(self.widths) - 1)
+
+  def by_width(self, branch, *operands):
+    """branch(w)(*operands) for the chosen width w: `branch(w)` is traced for every width."""
+    return jax.lax.switch(self.index, [branch(w) for w in self.widths], *operands)
+
+  def columns(self, fn, x):
+    """fn(x) for x [b, l, ...] (l the widest width), run on x[:, :w] and zero-padded back to l."""
+    l = x.shape[1]
+    if l != self.widths[-1]:
+      raise ValueError(f"a narrowed pass is {self.widths[-1]} columns wide; got {l}")
+
+    def over(w):
+      def run(x):
+        y = fn(x[:, :w])
+        return jnp.pad(y, ((0, 0), (0, l - w)) + ((0, 0),) * (y.ndim - 2))
+      return run
+    return self.by_width(over, x)
+
+  def rows(self, fn, x2d):
+    """fn(x2d) for x2d [b * l, k], the rows of a [b, l] pass, run as `columns` does."""
+    l = self.widths[-1]
+    out = self.columns(lambda x: fn(x.reshape(-1, x2d.shape[-1])).reshape(x.shape[0], x.shape[1], -1),
+                       x2d.reshape(-1, l, x2d.shape[-1]))
+    return out.reshape(x2d.shape[0], -1)
+
+
+def _narrowed(narrow: "Narrow | None", fn, x2d):
+  return fn(x2d) if narrow is None else narrow.rows(fn, x2d)
+
+
 def _add_bias(y, b):
   return y if b is None else y + b[...].reshape(-1).astype(y.dtype)
 
@@ -181,37 +222,42 @@ class Attention(nnx.Module):
   def __call__(self, x, positions, *, causal: bool, mask=None, noisy=None):
     return self.forward(x, positions, causal=causal, mask=mask, noisy=noisy)[0]
 
-  def _project(self, x2, w, b, shape):
+  def _project(self, x2, w, b, shape, narrow: Narrow | None = None):
     """[tokens, d] @ [d, heads, k] (+ bias), reshaped to [b, l, heads, k]."""
     w = w[...]
     heads, k = w.shape[1:]
-    y = dense(x2, w.reshape(-1, heads * k), self.dtype)
+    y = _narrowed(narrow, lambda x: dense(x, w.reshape(-1, heads * k), self.dtype), x2)
     return _add_bias(y, b).reshape(*shape, heads, k)
 
-  def _project_qkv(self, x2, shape, noisy=None):
+  def _project_qkv(self, x2, shape, noisy=None, narrow: Narrow | None = None):
     """q, k and v, each [b, l, heads, k] (with the adapters where the joined
     weight carries them)."""
     if not self.out_in:
-      return (self._project(x2, self.wq, self.bq, shape), self._project(x2, self.wk, self.bk, shape),
-              self._project(x2, self.wv, self.bv, shape))
+      return tuple(self._project(x2, w, bias, shape, narrow)
+                   for w, bias in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)))
     h, g, k = self.num_heads, self.num_kv_heads, self.head_dim
-    y = dense(x2, self.wqkv[...].reshape((h + 2 * g) * k, -1), self.dtype, out_in=True, noisy=noisy)
+    wqkv = self.wqkv[...].reshape((h + 2 * g) * k, -1)
+    y = _narrowed(narrow, lambda x: dense(x, wqkv, self.dtype, out_in=True, noisy=noisy), x2)
     parts = jnp.split(y, [h * k, (h + g) * k], axis=-1)
     return tuple(_add_bias(p, bias).reshape(*shape, n, k) for p, bias, n in zip(parts, (self.bq, self.bk, self.bv),
                                                                                    (h, g, g)))
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
               mask: Bool[Array, "b #h l s"] | kernels.AttentionMask | None = None, cache: KVCache | None = None,
-              layer: int = 0, noisy: Bool[Array, "b l"] | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
+              layer: int = 0, noisy: Bool[Array, "b l"] | None = None,
+              narrow: Narrow | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
     """Self-attention; with `cache`, the new keys/values are first written into
     layer `layer` of the cache and the queries read the whole cache buffer
     (`mask` then says which slots are visible). Returns the updated cache.
-    `noisy`: the tokens the adapters act on (None: all)."""
+    `noisy`: the tokens the adapters act on (None: all). `narrow`: the
+    projections run over the valid columns only (adapters off)."""
     dt = self.dtype
     b, l, d = x.shape
     h, k = self.num_heads, self.head_dim
+    if narrow is not None and noisy is not False:
+      raise ValueError("a narrowed pass runs the base alone (noisy=False)")
     x2 = x.reshape(b * l, d)
-    q, k_, v = self._project_qkv(x2, (b, l), noisy)
+    q, k_, v = self._project_qkv(x2, (b, l), noisy, narrow)
     if self.lora_q is not None and noisy is not False and not (self.out_in and carries_adapters(self.wqkv[...])):
       q, k_, v = (y + _lora_delta(a, x2, dt, noisy).reshape(y.shape)
                   for y, a in ((q, self.lora_q), (k_, self.lora_k), (v, self.lora_v)))
@@ -228,7 +274,8 @@ class Attention(nnx.Module):
       o = kernels.attention(q, k_, v, causal=causal, mask=mask, implementation=self.attention_impl)
     wo = self.wo[...].reshape((d, h * k) if self.out_in else (h * k, d))
     o2 = o.reshape(b * l, h * k)
-    out = dense(o2, wo, dt, self.out_in, noisy) + _lora_delta(self.lora_o, o2, dt, noisy, wo)
+    out = _narrowed(narrow, lambda x: dense(x, wo, dt, self.out_in, noisy), o2) + _lora_delta(self.lora_o, o2, dt,
+                                                                                               noisy, wo)
     return out.reshape(b, l, d), cache
 
 

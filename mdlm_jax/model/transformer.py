@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdlm_jax import kernels
 from mdlm_jax.kernels import AttentionMask, HeadInput
 from mdlm_jax.model.kv_cache import KVCache
-from mdlm_jax.model.layers import (MLP, WEIGHT_LAYOUTS, Attention, Keys, Modulation, RMSNorm, TimeEmbedding,
+from mdlm_jax.model.layers import (MLP, WEIGHT_LAYOUTS, Attention, Keys, Modulation, Narrow, RMSNorm, TimeEmbedding,
                                    fan_in_init, param)
 from mdlm_jax.model.precision import compute_dtype
 from mdlm_jax.model.rope import RopeScaling
@@ -117,15 +117,20 @@ class Block(nnx.Module):
 
   def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], cond: Float[Array, "b c"] | None, *,
               causal: bool, mask: Bool[Array, "b #h l s"] | AttentionMask | None = None, cache: KVCache | None = None,
-              layer: int = 0, noisy: Bool[Array, "b l"] | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
+              layer: int = 0, noisy: Bool[Array, "b l"] | None = None,
+              narrow: Narrow | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
     """One pre-norm block; with `cache`, attention reads and extends layer `layer` of it.
-    `noisy`: the tokens the adapters act on (None: all, when the model has any)."""
+    `noisy`: the tokens the adapters act on (None: all, when the model has any).
+    `narrow`: the products run over each row's valid columns only (`layers.Narrow`)."""
     if self.modulation is None:
       a, cache = self.attn.forward(self.attn_norm(x), positions, causal=causal, mask=mask, cache=cache, layer=layer,
-                                   noisy=noisy)
+                                   noisy=noisy, narrow=narrow)
       x = x + a
       x = constrain(x, ("batch", "length", "act_embed"))
-      x = x + self.mlp(self.mlp_norm(x), noisy=noisy)
+      mlp = lambda h: self.mlp(h, noisy=noisy)  # noqa: E731
+      x = x + (mlp(self.mlp_norm(x)) if narrow is None else narrow.columns(mlp, self.mlp_norm(x)))
+    elif narrow is not None:
+      raise ValueError("a narrowed pass runs an adapted AR model (no time modulation)")
     else:
       sh1, sc1, g1, sh2, sc2, g2 = (m.astype(x.dtype) for m in self.modulation(cond))
       h = self.attn_norm(x) * (1 + sc1) + sh1
@@ -158,7 +163,8 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     return self._trunk(tokens, t, positions, causal=self.cfg.causal, mask=mask, noisy=noisy)[0]
 
-  def _trunk(self, tokens, t, positions, *, causal: bool, mask, cache: KVCache | None = None, noisy=None):
+  def _trunk(self, tokens, t, positions, *, causal: bool, mask, cache: KVCache | None = None, noisy=None,
+             narrow: Narrow | None = None):
     """Embedding, blocks and final norm: the one body of the full and the cached forward."""
     cfg = self.cfg
     dt = compute_dtype(cfg.dtype)
@@ -179,7 +185,8 @@ class Transformer(nnx.Module):
       if cache is None:
         x = run_block(block, x)
       else:  # inference only: nothing to rematerialise
-        x, cache = block.forward(x, positions, cond, causal=causal, mask=mask, cache=cache, layer=i, noisy=noisy)
+        x, cache = block.forward(x, positions, cond, causal=causal, mask=mask, cache=cache, layer=i, noisy=noisy,
+                                 narrow=narrow)
     x = self.final_norm(x)
     if self.final_modulation is not None:
       shift, scale = (m.astype(x.dtype) for m in self.final_modulation(cond))
@@ -242,7 +249,8 @@ class Transformer(nnx.Module):
     return out, written.commit(cache.kept_valid(valid, keep), keep)
 
   def forward_speculative(self, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: KVCache,
-                          head_valid: Bool[Array, "b h"]) -> tuple[Float[Array, "b n v"], "PendingCommit"]:
+                          head_valid: Bool[Array, "b h"], widths: tuple[int, ...] = (),
+                          need=None) -> tuple[Float[Array, "b n v"], "PendingCommit"]:
     """One pass of self-speculative decoding for an AR model adapted to
     diffusion (clean_causal, shift_logits): `tokens` are a clean head of h
     tokens (an exact token, then drafts; `head_valid` a prefix of each row)
@@ -254,7 +262,14 @@ class Transformer(nnx.Module):
     verifies the drafts against the base; the tail's columns score the tail,
     its first from the last valid head token's state (the base's next
     token, exact when every draft holds), the rest are the next drafts.
-    Nothing is kept until `commit_speculative` says how many head tokens hold."""
+    Nothing is kept until `commit_speculative` says how many head tokens hold.
+
+    `widths` (static; a pass of the head alone, the last its width) with
+    `need` (traced: at least every row's valid head columns): the products
+    run over each row's first w columns only, w the narrowest width that
+    holds `need` (`layers.Narrow`); the logits of the columns past it are
+    arbitrary and never read. Where a pass costs its rows (a CPU), a head
+    with few drafts then costs a narrow pass."""
     cfg = self.cfg
     if not (cfg.clean_causal and cfg.shift_logits) or cfg.time_conditioning:
       raise ValueError("speculative decoding needs an adapted AR model (model.clean_causal and shift_logits,"
@@ -266,11 +281,27 @@ class Transformer(nnx.Module):
     valid, mask = cache.attention_spec(valid_new, causal=False, new_block=n - h, clean=~noisy)
     # No masked column (a pass of the head alone): no product runs the adapters.
     adapted = (noisy if n > h else False) if cfg.lora_rank else None
-    x, written = self._trunk(tokens, None, positions, causal=False, mask=mask, cache=cache, noisy=adapted)
+    narrow = None
+    if widths:
+      if n > h:
+        raise ValueError("a narrowed speculative pass is a head alone, without a masked tail")
+      narrow = Narrow(widths, need)
+      adapted = False
+    x, written = self._trunk(tokens, None, positions, causal=False, mask=mask, cache=cache, noisy=adapted,
+                             narrow=narrow)
     head = jnp.concatenate([cache.last_hidden[:, None].astype(x.dtype), x[:, :h - 1]], axis=1)
     last = _last_kept(x[:, :h], jnp.sum(head_valid, axis=-1), cache.last_hidden)
     tail = jnp.concatenate([last[:, None], x[:, h:n - 1]], axis=1)
-    return self.logits(jnp.concatenate([head, tail], axis=1)), PendingCommit(x[:, :h], written, valid, cache)
+    pending = PendingCommit(x[:, :h], written, valid, cache)
+    if narrow is None:
+      return self.logits(jnp.concatenate([head, tail], axis=1)), pending
+
+    def scored(w):  # the first w head columns and the base's next token, the columns between them zeros
+      def run(head, tail):
+        y = self.logits(jnp.concatenate([head[:, :w], tail], axis=1))
+        return jnp.concatenate([y[:, :w], jnp.zeros((b, h - w) + y.shape[2:], y.dtype), y[:, w:]], axis=1)
+      return run
+    return narrow.by_width(scored, head, tail), pending
 
   def head_input(self, hidden: Float[Array, "b l d"]) -> HeadInput:
     """The vocabulary head's inputs: `logits` is `head_input(hidden).logits()`."""

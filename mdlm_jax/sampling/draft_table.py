@@ -35,11 +35,12 @@ from typing import Iterable, Sequence
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 FILE_NAME = "draft_table.npz"  # beside a model's weights: loading picks it up
 ORDER = 4  # the longest context a built table keeps, in tokens
 MIN_CONTEXT = 1  # the shortest context that answers: a weak guess still beats an empty column, which is as costly
+SHARE_STEPS = 16  # a follower's share of its context's occurrences is kept in these steps
 
 
 @struct.dataclass
@@ -47,6 +48,7 @@ class DraftTable:
   children: Int[Array, "n1"]  # node n's children are nodes children[n]:children[n + 1]
   key: Int[Array, "n"]  # each node's token: the one its context adds before its parent's
   follow: Int[Array, "n"]  # the token that most often followed the node's context (-1: none kept)
+  share: Int[Array, "n"]  # how often it did, in SHARE_STEPS-ths of the context's occurrences
   vocab_size: int = struct.field(pytree_node=False)
   depths: tuple[int, ...] = struct.field(pytree_node=False)  # binary-search steps into levels 2, 3, ...
 
@@ -66,11 +68,19 @@ class DraftTable:
     `context`) per row. `context` holds the text's last k tokens, oldest
     first; `known` marks those that are text (a context stops at the first
     unknown token, counting back)."""
+    found, token, _ = self.lookup(context, known)
+    return found, token
+
+  def lookup(self, context: Int[Array, "b k"], known: Bool[Array, "b k"]) -> tuple[Bool[Array, "b"], Int[Array, "b"],
+                                                                                  Float[Array, "b"]]:
+    """`next_token`, and the chance that token follows: its share of the
+    context's occurrences in the answers the table was built from."""
     v, n = self.vocab_size, int(self.key.shape[0])
     last = context[:, -1]
     alive = known[:, -1] & (last >= 0) & (last < v)
     node = jnp.clip(last, 0, v - 1)
     best = jnp.where(alive, self.follow[node], -1)
+    share = self.share[node]
     for level, depth in enumerate(self.depths[:context.shape[1] - 1], start=2):
       token = context[:, -level]
       lo, end = self.children[node], self.children[node + 1]
@@ -84,15 +94,20 @@ class DraftTable:
       at = jnp.minimum(lo, n - 1)
       alive = alive & known[:, -level] & (lo < end) & (self.key[at] == token)
       node = jnp.where(alive, at, node)
-      best = jnp.where(alive & (self.follow[at] >= 0), self.follow[at], best)
-    return best >= 0, jnp.maximum(best, 0)
+      deeper = alive & (self.follow[at] >= 0)
+      best = jnp.where(deeper, self.follow[at], best)
+      share = jnp.where(deeper, self.share[at], share)
+    return best >= 0, jnp.maximum(best, 0), jnp.where(best >= 0, share, 0).astype(jnp.float32) / SHARE_STEPS
 
   def extend(self, context: Int[Array, "b k"], context_known: Bool[Array, "b k"], ahead: Int[Array, "b h"],
-             n_ahead: Int[Array, "b"]) -> tuple[Int[Array, "b h"], Int[Array, "b"]]:
+             n_ahead: Int[Array, "b"], floor=0.0) -> tuple[Int[Array, "b h"], Int[Array, "b"]]:
     """A revising head `ahead` (the base's next token, then `n_ahead`
     drafts; `context` the text's tokens before it, `context_before`) with its
     free columns filled by the table's chain from its last tokens: the
-    model's or copied drafts, then how answers went on from there."""
+    model's or copied drafts, then how answers went on from there. The chain
+    stops where the product of its tokens' shares (its chance of holding this
+    far) falls below `floor` ([b] array or scalar): a draft that will likely
+    fail is not worth a column where a pass costs its rows."""
     b, h = ahead.shape
     k = context.shape[1]
     n = jnp.maximum(n_ahead, 0)
@@ -102,11 +117,14 @@ class DraftTable:
     ctx = jnp.take_along_axis(ext, window, 1)
     ctx_known = jnp.take_along_axis(ext_known, window, 1)
     alive = n_ahead >= 0
+    chance = jnp.ones((b,), jnp.float32)
+    floor = jnp.asarray(floor, jnp.float32)
     out, count = ahead, n
     for i in range(h - 1):
-      found, c = self.next_token(ctx, ctx_known)
+      found, c, share = self.lookup(ctx, ctx_known)
+      chance = chance * share
       col = n + 1 + i
-      alive = alive & found & (col < h)
+      alive = alive & found & (col < h) & (chance >= floor)
       out = jnp.where(alive[:, None] & (jnp.arange(h)[None] == col[:, None]), c[:, None], out)
       count = count + alive.astype(jnp.int32)
       ctx = jnp.concatenate([ctx[:, 1:], c[:, None]], 1)
@@ -127,16 +145,19 @@ def context_before(table: DraftTable, text: Int[Array, "b l"], known: Bool[Array
 
 def _most_frequent(ids: np.ndarray, follower: np.ndarray, n: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
   """Per id in [0, n): (its most frequent follower, smallest on a tie, or -1;
-  how often the id occurs)."""
+  that follower's share of the id's occurrences in SHARE_STEPS-ths, rounded)."""
   keys, counts = np.unique(ids * vocab_size + follower, return_counts=True)
   which, nxt = keys // vocab_size, keys % vocab_size
   order = np.lexsort((nxt, -counts, which))
-  which, nxt = which[order], nxt[order]
+  which, nxt, counts = which[order], nxt[order], counts[order]
   first = np.ones(which.shape, bool)
   first[1:] = which[1:] != which[:-1]
   follow = np.full(n, -1, np.int64)
   follow[which[first]] = nxt[first]
-  return follow, np.bincount(ids, minlength=n)
+  share = np.zeros(n, np.int64)
+  total = np.bincount(ids, minlength=n)
+  share[which[first]] = np.rint(SHARE_STEPS * counts[first] / total[which[first]])
+  return follow, share
 
 
 def build(sequences: Iterable[Sequence[int]], vocab_size: int, order: int = ORDER,
@@ -158,8 +179,9 @@ def build(sequences: Iterable[Sequence[int]], vocab_size: int, order: int = ORDE
   pos = np.flatnonzero((flat[:-1] >= 0) & (flat[1:] >= 0))  # a context ends here and a token follows
   nxt = flat[pos + 1]
   node = flat[pos]  # level 1: a node per token, its id the token
-  follow, _ = _most_frequent(node, nxt, vocab_size, vocab_size)
-  levels = [(np.full(vocab_size, -1), np.arange(vocab_size), np.where(min_context <= 1, follow, -1))]
+  follow, share = _most_frequent(node, nxt, vocab_size, vocab_size)
+  first = min_context <= 1
+  levels = [(np.full(vocab_size, -1), np.arange(vocab_size), np.where(first, follow, -1), np.where(first, share, 0))]
   start = vocab_size  # the first id of the next level
   for level in range(2, order + 1):
     token = flat[pos - level + 1]
@@ -167,35 +189,42 @@ def build(sequences: Iterable[Sequence[int]], vocab_size: int, order: int = ORDE
     pos, nxt, node, token = pos[keep], nxt[keep], node[keep], token[keep]
     keys, local = np.unique(node * vocab_size + token, return_inverse=True)  # sorted by parent, then token
     local = local.reshape(-1)
-    follow, _ = _most_frequent(local, nxt, len(keys), vocab_size)
-    levels.append((keys // vocab_size, keys % vocab_size, follow if level >= min_context else np.full_like(follow, -1)))
+    follow, share = _most_frequent(local, nxt, len(keys), vocab_size)
+    answers = level >= min_context
+    levels.append((keys // vocab_size, keys % vocab_size, follow if answers else np.full_like(follow, -1),
+                   share if answers else np.zeros_like(share)))
     node = start + local
     start += len(keys)
   return _assemble(_pruned(levels, vocab_size), vocab_size)
 
 
 def _pruned(levels: list, vocab_size: int) -> list:
-  """`levels` ((parent, key, follow) a level, parents as global node ids)
-  without the nodes that answer as their parent does and have nothing kept
-  below them (a lookup then stops at the parent, whose answer is the same);
-  parents renumbered to match. The tokens' level stays whole."""
+  """`levels` ((parent, key, follow, share) a level, parents as global node
+  ids) without the nodes that answer as their parent does (the same follower
+  and share) and have nothing kept below them (a lookup then stops at the
+  parent, whose answer is the same); parents renumbered to match. The
+  tokens' level stays whole."""
   starts = np.cumsum([0] + [len(lv[1]) for lv in levels])
-  said = [levels[0][2]]  # what a lookup that ends at each node answers
+  said = [levels[0][2:4]]  # what a lookup that ends at each node answers: (follower, share)
   for i in range(1, len(levels)):
-    parent, _, follow = levels[i]
-    said.append(np.where(follow >= 0, follow, said[i - 1][parent - starts[i - 1]]))
+    parent, _, follow, share = levels[i]
+    up = parent - starts[i - 1]
+    own = follow >= 0
+    said.append((np.where(own, follow, said[i - 1][0][up]), np.where(own, share, said[i - 1][1][up])))
   keep = [None] * len(levels)
   keep[0] = np.ones(vocab_size, bool)
   for i in range(len(levels) - 1, 0, -1):
-    parent, _, follow = levels[i]
+    parent, _, follow, share = levels[i]
+    up = parent - starts[i - 1]
     has_child = np.zeros(len(follow), bool)
     if i + 1 < len(levels):
       has_child[levels[i + 1][0][keep[i + 1]] - starts[i]] = True
-    keep[i] = has_child | ((follow >= 0) & (follow != said[i - 1][parent - starts[i - 1]]))
+    differs = (follow != said[i - 1][0][up]) | (share != said[i - 1][1][up])
+    keep[i] = has_child | ((follow >= 0) & differs)
   out, new_id, start = [], None, 0
-  for i, (parent, key, follow) in enumerate(levels):
+  for i, (parent, key, follow, share) in enumerate(levels):
     k = keep[i]
-    out.append((new_id[parent[k] - starts[i - 1]] if i else parent, key[k], follow[k]))
+    out.append((new_id[parent[k] - starts[i - 1]] if i else parent, key[k], follow[k], share[k]))
     new_id = start + np.cumsum(k) - 1
     start += int(k.sum())
   return out
@@ -204,28 +233,29 @@ def _pruned(levels: list, vocab_size: int) -> list:
 def _assemble(levels: list, vocab_size: int) -> DraftTable:
   """The device table of `levels` (the tokens' level first)."""
   parents = np.concatenate([lv[0] for lv in levels[1:]]) if len(levels) > 1 else np.zeros(0, np.int64)
-  key = np.concatenate([lv[1] for lv in levels])
-  follow = np.concatenate([lv[2] for lv in levels])
+  key, follow, share = (np.concatenate([lv[i] for lv in levels]) for i in (1, 2, 3))
   children = vocab_size + np.searchsorted(parents, np.arange(len(key) + 1))
-  return _table(children, key, follow, vocab_size, len(levels))
+  return _table(children, key, follow, share, vocab_size, len(levels))
 
 
-def _table(children, key, follow, vocab_size: int, order: int) -> DraftTable:
+def _table(children, key, follow, share, vocab_size: int, order: int) -> DraftTable:
   """Checked arrays as a device table; each level's search depth covers its widest range."""
-  children, key, follow = (np.asarray(x, np.int64).reshape(-1) for x in (children, key, follow))
+  children, key, follow, share = (np.asarray(x, np.int64).reshape(-1) for x in (children, key, follow, share))
   n = len(key)
-  if (len(children) != n + 1 or follow.shape != key.shape or not 1 <= vocab_size <= n or order < 1
-          or np.any(children[:-1] > children[1:]) or children[0] != vocab_size or children[-1] != n
-          or np.any(key < 0) or np.any(key >= vocab_size) or np.any(follow < -1) or np.any(follow >= vocab_size)):
+  if (len(children) != n + 1 or follow.shape != key.shape or share.shape != key.shape or not 1 <= vocab_size <= n
+          or order < 1 or np.any(children[:-1] > children[1:]) or children[0] != vocab_size or children[-1] != n
+          or np.any(key < 0) or np.any(key >= vocab_size) or np.any(follow < -1) or np.any(follow >= vocab_size)
+          or np.any(share < 0) or np.any(share > SHARE_STEPS)):
     raise ValueError(f"not a draft table over {vocab_size} tokens: its children do not index its {n} nodes"
-                     " or its tokens are out of range")
+                     " or its tokens or shares are out of range")
   starts = [0]
   for _ in range(order):  # a level's nodes are the children of the level before
     starts.append(int(children[starts[-1]]) if starts[-1] < n else n)
   widths = np.diff(children)
   depths = tuple(int(widths[a:b].max(initial=0)).bit_length() for a, b in zip(starts[:-2], starts[1:-1]))
   return DraftTable(children=jnp.asarray(children.astype(np.int32)), key=jnp.asarray(key.astype(np.int32)),
-                    follow=jnp.asarray(follow.astype(np.int32)), vocab_size=vocab_size, depths=depths)
+                    follow=jnp.asarray(follow.astype(np.int32)), share=jnp.asarray(share.astype(np.int32)),
+                    vocab_size=vocab_size, depths=depths)
 
 
 def save(table: DraftTable, path: str) -> None:
@@ -233,20 +263,23 @@ def save(table: DraftTable, path: str) -> None:
   tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "wb") as f:
     np.savez_compressed(f, children=np.asarray(table.children), key=np.asarray(table.key),
-                        follow=np.asarray(table.follow), vocab_size=table.vocab_size, order=table.order)
+                        follow=np.asarray(table.follow), share=np.asarray(table.share).astype(np.uint8),
+                        vocab_size=table.vocab_size, order=table.order)
   os.replace(tmp, path)
 
 
 def load(path: str, vocab_size: int | None = None) -> DraftTable:
   """A saved table; one in the first format (token pairs: offsets, second,
-  follow) becomes the trie of those pairs."""
+  follow) becomes the trie of those pairs. A table saved without shares
+  holds its chains as sure (they never stop at a floor)."""
   with np.load(path) as z:
     arrays = {k: np.asarray(z[k]) for k in z.files}
   if "offsets" in arrays:
     table = _of_pairs(path, arrays)
   elif {"children", "key", "follow", "vocab_size", "order"} <= set(arrays):
     try:
-      table = _table(arrays["children"], arrays["key"], arrays["follow"], int(arrays["vocab_size"]),
+      share = arrays.get("share", np.where(arrays["follow"] >= 0, SHARE_STEPS, 0))
+      table = _table(arrays["children"], arrays["key"], arrays["follow"], share, int(arrays["vocab_size"]),
                      int(arrays["order"]))
     except ValueError as e:
       raise ValueError(f"{path} is {e}") from None
@@ -268,7 +301,8 @@ def _of_pairs(path: str, z: dict) -> DraftTable:
   v = len(offsets) - 1
   first = np.repeat(np.arange(v), np.diff(offsets))
   order = np.lexsort((first, second))  # read backwards: the second token, then the first
-  levels = [(np.full(v, -1), np.arange(v), np.full(v, -1)), (second[order], first[order], follow[order])]
+  levels = [(np.full(v, -1), np.arange(v), np.full(v, -1), np.zeros(v)),
+            (second[order], first[order], follow[order], np.full(n, SHARE_STEPS))]
   return _assemble(levels, v)
 
 

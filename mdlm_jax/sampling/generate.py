@@ -127,8 +127,8 @@ class Generator:
         return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new,
                                     t=frac if tc else None, commit_len=commit_len, new_block=new_block, head=head)
 
-      def speculative(self, toks, pos, cache, head_valid):
-        return model.forward_speculative(toks, pos, cache, head_valid)
+      def speculative(self, toks, pos, cache, head_valid, widths=(), need=None):
+        return model.forward_speculative(toks, pos, cache, head_valid, widths, need)
 
       def new_cache(self, batch, max_len, per_row=False):
         return KVCache.init(cfg, batch, max_len, per_row=per_row)

@@ -41,7 +41,7 @@ EFFORTS = tuple(PRESETS)
 DEFAULT_EFFORT = "medium"
 _OVERRIDES = ("steps", "block_size", "threshold", "temperature", "top_p", "min_tokens", "kv_cache",
               "presence_penalty", "frequency_penalty", "logit_bias", "revise", "agreement", "lookup", "head_width",
-              "model_drafts")
+              "model_drafts", "table_floor", "pass_widths")
 
 
 def block_size_for(model_block_size: int) -> int:

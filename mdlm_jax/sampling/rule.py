@@ -64,6 +64,7 @@ class Decoding:
   revise: Bool[Array, "b"]  # drafts kept only where the base agrees (`verify`)
   agreement: Float[Array, "b"]  # with revise: the least p(draft) / p(base's best) kept (1: its choice only)
   lookup: Int[Array, "b"]  # with revise: > 0 offers drafts copied after this many matching tokens (`lookup_drafts`)
+  table_floor: Float[Array, "b"]  # with lookup: the draft table's chain stops below this chance (`DraftTable.extend`)
   steps: Int[Array, "b"]  # > 0: a block ends after this many passes, its floor spread evenly over them (`floor`)
   temperature: Float[Array, "b"]
   top_p: Float[Array, "b"]
@@ -76,12 +77,14 @@ class Decoding:
   def broadcast(cls, rows: int, *, threshold: float, min_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 logit_bias: tuple[tuple[int, float], ...] = (), in_order: bool = False,
-                revise: bool = False, agreement: float = 1.0, lookup: int = 0, steps: int = 0) -> "Decoding":
+                revise: bool = False, agreement: float = 1.0, lookup: int = 0, table_floor: float = 0.0,
+                steps: int = 0) -> "Decoding":
     full = lambda v, dtype: np.full((rows,), v, dtype)  # noqa: E731  (host arrays: no dispatch per request)
     ids, values = bias_arrays(logit_bias)
     return cls(full(threshold, np.float32), full(min_tokens, np.int32), full(in_order, bool), full(revise, bool),
-               full(agreement, np.float32), full(lookup, np.int32), full(steps, np.int32), full(temperature, np.float32),
-               full(top_p, np.float32), full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
+               full(agreement, np.float32), full(lookup, np.int32), full(table_floor, np.float32),
+               full(steps, np.int32), full(temperature, np.float32), full(top_p, np.float32),
+               full(presence_penalty, np.float32), full(frequency_penalty, np.float32),
                np.tile(ids, (rows, 1)), np.tile(values, (rows, 1)))
 
 

@@ -359,6 +359,15 @@ class ThresholdSampler(ConfidenceSampler):
   # then come from copies and the draft table (`lookup` > 0). On a CPU, where
   # a pass costs about its token rows, that can outrun the model's drafts.
   model_drafts: bool = True
+  # With lookup and a draft table: the table's chain of drafts stops where its
+  # chance of holding (the product of its steps' shares in the answers it was
+  # built from) falls below this. 0: the chain runs to the head's end.
+  table_floor: float = 0.0
+  # With model_drafts=False: the widths a pass may take, increasing, the last
+  # the head's; each pass takes the smallest that holds its drafts (one
+  # compiled pass a width). (): every pass is the head's width. Where a pass
+  # costs its token rows (a CPU), a short chain then costs a short pass.
+  pass_widths: tuple[int, ...] = ()
 
   def __post_init__(self):
     super().__post_init__()
@@ -381,6 +390,16 @@ class ThresholdSampler(ConfidenceSampler):
       raise ValueError(f"lookup must be in [0, {rule.MAX_LOOKUP}], got {self.lookup}")
     if self.lookup and not self.revise:
       raise ValueError(f"lookup={self.lookup} offers copied drafts for revision to verify: it needs revise=True")
+    if not 0.0 <= self.table_floor <= 1.0:
+      raise ValueError(f"table_floor must be in [0, 1], got {self.table_floor}")
+    if self.table_floor and not self.lookup:
+      raise ValueError(f"table_floor={self.table_floor} stops the draft table's chains: it needs lookup > 0")
+    if self.pass_widths:
+      widths, head = tuple(self.pass_widths), self.head_width or self.block_size
+      if self.model_drafts:
+        raise ValueError(f"pass_widths={widths} narrows passes of the head alone: it needs model_drafts=False")
+      if any(w < 1 for w in widths) or list(widths) != sorted(set(widths)) or widths[-1] != head:
+        raise ValueError(f"pass_widths must increase from at least 1 to the head's width {head}, got {widths}")
 
   def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     if self.revise:
@@ -425,8 +444,13 @@ class ThresholdSampler(ConfidenceSampler):
       tail_lane = lane if self.model_drafts else lane[:, :1]  # without the block, the base's next token only
       blank = jnp.full((B, bs if self.model_drafts else 0), lay.mask_id, jnp.int32)
       pos = jnp.concatenate([at + head_lane, at + n_ok[:, None] + 1 + lane[:, :blank.shape[1]]], 1)
-      logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"],
-                                            head_lane <= n_ok[:, None])
+      if self.pass_widths:  # the narrowest pass that holds every running row's drafts
+        need = 1 + jnp.max(jnp.where(s["done"], 0, n_ok))
+        logits, pending = denoise.speculative(head, pos, s["cache"], head_lane <= n_ok[:, None], self.pass_widths,
+                                              need)
+      else:
+        logits, pending = denoise.speculative(jnp.concatenate([head, blank], 1), pos, s["cache"],
+                                              head_lane <= n_ok[:, None])
       columns = jnp.concatenate([f[:, None] + head_lane, (f + n_ok + 1)[:, None] + tail_lane], 1)
       logits = self._moved(logits, lay, s["tokens"], valid)
       x0, conf = rule.propose(logits, pass_keys, columns, lay.never_proposed, self.temperature, self.top_p)
@@ -447,7 +471,8 @@ class ThresholdSampler(ConfidenceSampler):
         v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, hw - 1))
         if table is not None:  # then the model's table of its own answers goes on from them
           context = draft_table.context_before(table, text, known, jnp.minimum(end, L - 1))
-          v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(*context, v.ahead, v.n_ahead))))
+          v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(*context, v.ahead, v.n_ahead,
+                                                                      self.table_floor))))
       rec, n = _record(s["drafts"], s["n_drafts"], toks, record, emit)
       return {"tokens": toks, "cache": pending.commit(v.keep), "filled": filled, "ahead": v.ahead,
               "n_ahead": v.n_ahead, "done": s["done"] | v.ended | (filled >= gl), "drafts": rec, "n_drafts": n,
@@ -464,7 +489,8 @@ class ThresholdSampler(ConfidenceSampler):
     return {"threshold": self.threshold, "min_tokens": self.min_tokens, **self._move_fields()}
 
   def _order_fields(self) -> dict:
-    return {"in_order": self.in_order, "revise": self.revise, "agreement": self.agreement, "lookup": self.lookup}
+    return {"in_order": self.in_order, "revise": self.revise, "agreement": self.agreement, "lookup": self.lookup,
+            "table_floor": self.table_floor}
 
   def _steps_cap(self, lay: Layout) -> int:
     size = self.block_size if self.block_size > 0 else lay.gen_len

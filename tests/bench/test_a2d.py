@@ -78,3 +78,14 @@ def test_draft_tables_are_on_or_off(capsys):
   with pytest.raises(SystemExit):
     a2d.parse(["--model-drafts=sometimes"])
   assert "--model-drafts" in capsys.readouterr().err
+
+
+def test_narrow_passes_are_off_or_on(capsys):
+  assert a2d.parse([]).narrow_passes == ["off"]
+  a = a2d.parse(["--narrow-passes=off,on", "--table-floor=0.2"])
+  assert a.narrow_passes == ["off", "on"] and a.table_floor == 0.2
+  assert a2d.revision_name(0.3, 1.0, 2, True, None, True) == "0.3+revise+lookup2+table+narrow"
+  for bad in (["--narrow-passes=auto"], ["--table-floor=2"]):
+    with pytest.raises(SystemExit):
+      a2d.parse(bad)
+    assert bad[0].split("=")[0] in capsys.readouterr().err

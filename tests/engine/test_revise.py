@@ -64,6 +64,12 @@ def test_what_revise_cannot_do_is_refused(models, engine, tiny_checkpoints):
     engine.submit(Request(engine.encode("x"), 8, dataclasses.replace(revising, lookup=2, head_width=engine.sc.head + 1)))
   with pytest.raises(ValueError, match="head_width must be 0 or at least the block size 4"):
     Engine(models[1], num_slots=1, max_prompt=32, max_new_tokens=16, head_width=3)
+  heads_alone = engine.sampler_for("medium", revise=True, lookup=2, model_drafts=False)
+  assert heads_alone.pass_widths == engine.sc.pass_widths == ()
+  with pytest.raises(ValueError, match=rf"passes of heads alone take widths \({engine.sc.head},\)"):
+    engine.submit(Request(engine.encode("x"), 8, dataclasses.replace(heads_alone, pass_widths=(1, engine.sc.head))))
+  with pytest.raises(ValueError, match="pass_widths must increase from at least 1 to the head's width 4"):
+    Engine(models[1], num_slots=1, max_prompt=32, max_new_tokens=16, head_width=0, pass_widths=(1, 3))
   narrow = Engine(models[1], num_slots=1, max_prompt=32, max_new_tokens=16, head_width=0)
   assert narrow.sampler_for("medium", revise=True, lookup=2).head_width == narrow.sc.head == 4
   assert engine.sampler_for("medium", revise=True, lookup=2).head_width == engine.sc.head
@@ -223,6 +229,30 @@ def test_table_drafts_take_the_passes_the_generator_takes(models):
   if sampler.head_width > sampler.block_size:  # the chain ran past the block
     narrow = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=dataclasses.replace(sampler, head_width=0))
     assert want.forward_passes < narrow.forward_passes
+
+
+@pytest.mark.slow  # an engine of its own compiles (CI: the generator's narrowed passes and table floor)
+def test_narrow_passes_with_a_table_floor_take_the_generators_passes(models):
+  """Chains cut where the table's shares multiply below the floor, and passes
+  of heads alone as narrow as their drafts: the engine's passes and text are
+  the generator's, the text the base's."""
+  ar, adapted = models
+  prompt, n = "def add(a, b):\n", 16
+  base = ARGenerator(ar).generate([prompt], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  ids = Generator(adapted).encode_prompt(prompt) + base.completions[0].tokens
+  rng = np.random.default_rng()
+  noise = [rng.integers(0, adapted.spec.cfg.vocab_size - 2, 30).tolist() for _ in range(4)]
+  adapted = dataclasses.replace(adapted, draft_table=draft_table.build([ids] + noise, adapted.spec.cfg.vocab_size))
+  e = Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=n, head_width=0, pass_widths=(1, 2, 4)).start()
+  try:
+    sampler = e.sampler_for("medium", revise=True, temperature=0.0, lookup=2, model_drafts=False, table_floor=0.5)
+    assert sampler.pass_widths == (1, 2, 4) and sampler.head_width == 4
+    got = e.submit(Request(e.encode(prompt), n, sampler, seed=0)).result(timeout=300)
+  finally:
+    e.close(deadline_s=1)
+  want = Generator(adapted).generate([prompt], max_new_tokens=n, sampler=sampler)
+  assert got.text == want.completions[0].text == base.completions[0].text
+  assert got.passes == want.forward_passes
 
 
 @pytest.mark.slow

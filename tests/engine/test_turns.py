@@ -23,7 +23,8 @@ def samplers_unlike_the_default(rng) -> list:
     changes = _changed_fields(kind, rng)
     apart = [f for f in ("revise", "fused_head") if f in changes] or [None]
     for other in apart:
-      left_out = {other, "agreement", "lookup", "head_width", "model_drafts"} if other == "revise" else {other}
+      left_out = ({other, "agreement", "lookup", "head_width", "model_drafts", "table_floor"} if other == "revise"
+                  else {other})
       out.append(kind(block_size=SC.block_size, kv_cache=True,
                       **{k: v for k, v in changes.items() if k not in left_out}))
   return out
@@ -32,7 +33,8 @@ def samplers_unlike_the_default(rng) -> list:
 def _changed_fields(kind, rng) -> dict:
   changes = {}
   for f in dataclasses.fields(kind):
-    if f.name in ("block_size", "kv_cache", "block_causal"):  # the engine's own (cached blocks of its size)
+    # The engine's own: cached blocks of its size, and the widths of its passes.
+    if f.name in ("block_size", "kv_cache", "block_causal", "pass_widths"):
       continue
     if f.name == "head_width":  # at least the block
       changes[f.name] = SC.block_size + int(rng.integers(1, 3))

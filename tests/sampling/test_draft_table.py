@@ -10,24 +10,30 @@ import pytest
 from mdlm_jax.sampling import draft_table
 
 
-def _reference(seqs, order, min_context):
-  """{context tuple: its most frequent follower (the smallest id on a tie)} for each context length."""
+def _reference(seqs, order, min_context, with_share=False):
+  """{context tuple: its most frequent follower (the smallest id on a tie)} for each context length;
+  `with_share`: (that follower, the share of the context's occurrences it followed)."""
   tables = {}
   for n in range(min_context, order + 1):
     counts = collections.defaultdict(collections.Counter)
     for s in seqs:
       for i in range(n - 1, len(s) - 1):
         counts[tuple(s[i - n + 1:i + 1])][s[i + 1]] += 1
-    tables[n] = {k: min(c, key=lambda t: (-c[t], t)) for k, c in counts.items()}
+    best = {k: min(c, key=lambda t: (-c[t], t)) for k, c in counts.items()}
+    tables[n] = {k: (t, counts[k][t] / sum(counts[k].values())) if with_share else t for k, t in best.items()}
   return tables
 
 
 def _answer(tables, context):
-  """The follower of the longest suffix of `context` a table knows, or None."""
+  """The follower of the longest suffix of `context` a table knows (with its share, if kept), or None."""
   for n in sorted(tables, reverse=True):
     if len(context) >= n and tuple(context[-n:]) in tables[n]:
       return tables[n][tuple(context[-n:])]
   return None
+
+
+def _sixteenths(share):
+  return round(share * draft_table.SHARE_STEPS) / draft_table.SHARE_STEPS
 
 
 def _random_seqs(rng, vocab, n=40):
@@ -61,15 +67,37 @@ def test_each_context_maps_to_the_follower_of_its_longest_known_suffix(order, mi
   assert answered > 100
 
 
+def test_each_context_knows_how_often_its_follower_followed_it():
+  rng = np.random.default_rng()
+  vocab, order = 4, 3
+  seqs = _random_seqs(rng, vocab, 60)
+  table, ref = draft_table.build(seqs, vocab, order, 1), _reference(seqs, order, 1, with_share=True)
+  context, known = _probe(rng, vocab, 400, order)
+  found, follow, chance = table.lookup(jnp.asarray(context), jnp.asarray(known))
+  shares = set()
+  for r in range(len(context)):
+    want = _answer(ref, [int(t) for t, k in zip(context[r], known[r]) if k])
+    assert bool(found[r]) == (want is not None), r
+    if want is not None:
+      assert int(follow[r]) == want[0], r
+      assert float(chance[r]) == pytest.approx(_sixteenths(want[1]), abs=1e-6), r
+      shares.add(float(chance[r]))
+    else:
+      assert float(chance[r]) == 0.0
+  assert len(shares) > 3
+
+
 def test_contexts_that_answer_as_their_shorter_suffix_are_left_out():
-  # "a b c" always goes on with d, and so does every context ending in "b c":
-  # only "c" -> d needs a node; "x c" (followed by y) needs its own.
+  # "c" goes on with d four times in five (13 sixteenths), "b c" always: it
+  # needs a node of its own; "a b c" and "x b c" answer as "b c" does and are
+  # left out; "y c" (followed by z) needs its own.
   seqs = [[0, 1, 2, 3]] * 3 + [[4, 1, 2, 3]] + [[5, 2, 6]]
   table = draft_table.build(seqs, 7, order=3, min_context=1)
-  assert table.key.shape[0] == 7 + 1  # the tokens, and "5 2" -> 6 only
-  found, follow = table.next_token(jnp.array([[0, 1, 2], [4, 1, 2], [6, 5, 2], [0, 0, 2]]),
-                                   jnp.ones((4, 3), bool))
+  assert table.key.shape[0] == 7 + 2  # the tokens, "1 2" -> 3 and "5 2" -> 6
+  found, follow, chance = table.lookup(jnp.array([[0, 1, 2], [4, 1, 2], [6, 5, 2], [0, 0, 2]]),
+                                       jnp.ones((4, 3), bool))
   assert np.asarray(found).all() and np.asarray(follow).tolist() == [3, 3, 6, 3]
+  np.testing.assert_allclose(np.asarray(chance), [1.0, 1.0, 1.0, 13 / 16])
 
 
 def test_a_wide_vocabulary_finds_contexts_in_long_ranges():
@@ -86,32 +114,41 @@ def test_a_wide_vocabulary_finds_contexts_in_long_ranges():
       assert int(follow[i]) == ref[2][pair]
 
 
-def _extended(ref, context, known, ahead, n):
-  """The head with its free columns chained from the text's last tokens, in plain Python."""
+def _extended(ref, context, known, ahead, n, floor=0.0):
+  """The head with its free columns chained from the text's last tokens while
+  the product of the chain's shares stays at least `floor`, in plain Python."""
   if n < 0:
     return list(ahead), n
   text = [int(t) for t, k in zip(context, known) if k]
   out = list(ahead[:n + 1])
+  chance = 1.0
   while len(out) < len(ahead):
     nxt = _answer(ref, text + out)
     if nxt is None:
       break
-    out.append(nxt)
+    chance *= _sixteenths(nxt[1])
+    if chance < floor:
+      break
+    out.append(nxt[0])
   return out + list(ahead[len(out):]), len(out) - 1
 
 
-def test_a_head_is_extended_by_the_chain_from_the_text_before_it():
+@pytest.mark.parametrize("floor", [0.0, 0.3, "rows"])
+def test_a_head_is_extended_by_the_chain_from_the_text_before_it(floor):
   rng = np.random.default_rng()
   vocab, b, h, order = 5, 64, 5, 3
   seqs = _random_seqs(rng, vocab, 30)
-  table, ref = draft_table.build(seqs, vocab, order, 2), _reference(seqs, order, 2)
+  table, ref = draft_table.build(seqs, vocab, order, 2), _reference(seqs, order, 2, with_share=True)
   ahead = rng.integers(0, vocab, (b, h))
   n = rng.integers(-1, h, b)
+  floors = rng.uniform(0, 0.6, b) if floor == "rows" else np.full(b, floor)
   context, known = _probe(rng, vocab, b, order - 1)
-  out, count = table.extend(jnp.asarray(context), jnp.asarray(known), jnp.asarray(ahead), jnp.asarray(n))
+  out, count = table.extend(jnp.asarray(context), jnp.asarray(known), jnp.asarray(ahead), jnp.asarray(n),
+                            jnp.asarray(floors, jnp.float32) if floor == "rows" else floor)
   grew = 0
   for r in range(b):
-    want, c = _extended(ref, context[r].tolist(), known[r].tolist(), ahead[r].tolist(), int(n[r]))
+    want, c = _extended(ref, context[r].tolist(), known[r].tolist(), ahead[r].tolist(), int(n[r]),
+                        np.float32(floors[r]))
     assert int(count[r]) == c, r
     np.testing.assert_array_equal(np.asarray(out[r, :c + 1]), want[:c + 1])
     grew += c > n[r]
@@ -146,7 +183,7 @@ def test_saved_tables_load_and_bad_ones_are_named(tmp_path):
   path = str(tmp_path / "t.npz")
   draft_table.save(table, path)
   back = draft_table.load(path, vocab_size=9)
-  for name in ("children", "key", "follow"):
+  for name in ("children", "key", "follow", "share"):
     np.testing.assert_array_equal(getattr(back, name), getattr(table, name))
   assert (back.depths, back.vocab_size) == (table.depths, table.vocab_size)
   with pytest.raises(ValueError, match="vocabulary of 9 tokens; the model has 10"):
@@ -156,6 +193,15 @@ def test_saved_tables_load_and_bad_ones_are_named(tmp_path):
   np.savez(str(tmp_path / "bad.npz"), **bad)
   with pytest.raises(ValueError, match="bad.npz is not a draft table over 9 tokens"):
     draft_table.load(str(tmp_path / "bad.npz"))
+  bad["key"] = bad["key"] - 9
+  bad["share"] = bad["share"] + draft_table.SHARE_STEPS + 1
+  np.savez(str(tmp_path / "bad.npz"), **bad)
+  with pytest.raises(ValueError, match="tokens or shares are out of range"):
+    draft_table.load(str(tmp_path / "bad.npz"))
+  old = {k: v for k, v in np.load(path).items() if k != "share"}  # saved before tables kept shares
+  np.savez(str(tmp_path / "old.npz"), **old)
+  sure = draft_table.load(str(tmp_path / "old.npz"))
+  np.testing.assert_array_equal(sure.share, np.where(np.asarray(table.follow) >= 0, draft_table.SHARE_STEPS, 0))
   np.savez(str(tmp_path / "other.npz"), weights=np.zeros(2))
   with pytest.raises(ValueError, match=r"not a draft table: it holds \['weights'\]"):
     draft_table.load(str(tmp_path / "other.npz"))

@@ -308,3 +308,118 @@ def test_an_adapted_model_with_a_table_of_its_bases_text_writes_that_text_in_few
   for w, g, o in zip(want.completions, got.completions, off.completions):
     assert g.tokens == w.tokens == o.tokens
   assert got.forward_passes < off.forward_passes
+
+
+@pytest.mark.parametrize("floor, passes", [
+    (0.0, 5),  # t0; t1-4; t5-8 (the chain goes on from "t4 t5", 11 sixteenths sure); t9-11
+    (0.6, 5),
+    (0.7, 6),  # the chain stops at "t4 t5": t0; t1-4; t5 alone; t6-9; t10-11
+])
+def test_a_table_chain_stops_where_its_chance_falls_below_the_floor(floor, passes):
+  text = _distinct_pairs_text(np.random.default_rng(), 12)
+  # "t4 t5" went on with t6 twice and with another token once: 2/3, kept as 11/16.
+  seqs = [[1, 2] + text.tolist()] * 2 + [[int(text[4]), int(text[5]), int(text[6] + 1) % 9]]
+  gs = 2
+  tokens = jnp.concatenate([jnp.array([[1, 2]]), jnp.full((1, len(text)), MASK)], 1)
+  lay = Layout(gen_start=gs, gen_len=len(text), mask_id=MASK, eos_id=EOS)
+  oracle = Oracle(text, range(20), gs)  # the model's own drafts are never offered (threshold 1)
+  oracle.draft_table = draft_table.build(seqs, V, order=2, min_context=2)
+  out = revising(4, 1.0, lookup=2, table_floor=floor).run(oracle, tokens, jnp.ones_like(tokens, bool),
+                                                          jnp.zeros((1, 2), jnp.uint32), lay)
+  np.testing.assert_array_equal(np.asarray(out["tokens"][0, gs:]), text)
+  assert int(out["nfe"]) == passes
+
+
+def test_narrow_products_run_the_narrowest_width_that_holds_the_valid_columns():
+  from mdlm_jax.model.layers import Narrow
+  rng = np.random.default_rng()
+  x = rng.standard_normal((3, 6, 5)).astype(np.float32)
+  w = rng.standard_normal((5, 4)).astype(np.float32)
+  taken = []
+
+  def product(x):
+    width = x.shape[1]
+    jax.debug.callback(lambda: taken.append(width))
+    return x @ w
+
+  for need, width in [(1, 1), (2, 2), (3, 4), (4, 4), (5, 6), (6, 6), (9, 6)]:
+    taken.clear()
+    got = np.asarray(jax.jit(lambda x, need: Narrow((1, 2, 4, 6), need).columns(product, x))(x, need))
+    jax.effects_barrier()
+    assert taken == [width]
+    want = np.einsum("blk,kn->bln", x.astype(np.float64), w)
+    np.testing.assert_allclose(got[:, :width], want[:, :width], rtol=1e-5, atol=1e-5)
+    assert not got[:, width:].any()
+    rows = np.asarray(jax.jit(lambda x, need: Narrow((1, 2, 4, 6), need).rows(lambda y: y @ w, x))(
+        x.reshape(18, 5), need)).reshape(3, 6, 4)
+    np.testing.assert_allclose(rows, got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode_dtype", ["float32", "w8a8"])
+def test_a_narrowed_pass_scores_its_valid_columns_as_the_full_pass_does(tiny_checkpoints, decode_dtype):
+  """A head-only speculative pass narrowed to its valid columns: the same
+  logits there and at the base's next token after them, the same cache."""
+  from mdlm_jax.model.kv_cache import KVCache
+  adapted = adapted_from(checkpoints.load(tiny_checkpoints["ar"]), block_size=4)
+  few = Generator(adapted, decode_dtype=decode_dtype).loaded
+  model = bind(few.spec, few.params)
+  rng = np.random.default_rng()
+  v, hw, p = few.spec.cfg.vocab_size, 6, 7
+  cache = KVCache.init(few.spec.cfg, 2, 32, per_row=True)
+  prompt = jnp.asarray(rng.integers(0, v - 2, (2, p)), jnp.int32)
+  _, cache = model.forward_cached(prompt, jnp.broadcast_to(jnp.arange(p), (2, p)), cache, commit=True,
+                                  valid_new=jnp.ones((2, p), bool), commit_len=jnp.full((2,), p))
+  head = jnp.asarray(rng.integers(0, v - 2, (2, hw)), jnp.int32)
+  lane = jnp.arange(hw)[None]
+  pos = p + lane + jnp.zeros((2, 1), jnp.int32)
+  for n_valid in [(1, 1), (2, 1), (3, 2), (4, 4), (5, 6)]:
+    n = jnp.asarray(n_valid)
+    valid = lane < n[:, None]
+    got, pending = jax.jit(lambda need: model.forward_speculative(head, pos, cache, valid, (1, 2, 4, hw), need))(
+        jnp.max(n))
+    full, full_pending = model.forward_speculative(head, pos, cache, valid)
+    assert got.shape == full.shape
+    for r, k in enumerate(n_valid):  # the valid columns, then the base's next token after them
+      np.testing.assert_allclose(got[r, :k], full[r, :k], rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(got[r, hw], full[r, hw], rtol=1e-4, atol=1e-4)
+    kept = jnp.asarray([min(k, 2) for k in n_valid])
+    a, b = pending.commit(kept), full_pending.commit(kept)
+    np.testing.assert_array_equal(a.length, b.length)
+    np.testing.assert_array_equal(a.valid, b.valid)
+    np.testing.assert_allclose(a.last_hidden, b.last_hidden, rtol=1e-4, atol=1e-4)
+    for r, k in enumerate(np.asarray(kept)):  # the kept slots' keys
+      np.testing.assert_allclose(a.k[:, r, ..., p:p + k], b.k[:, r, ..., p:p + k], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_narrow_passes_write_the_bases_text_in_the_passes_full_width_ones_take(tiny_checkpoints, floor):
+  """Narrowing is cost only: the same text and passes as the head's full
+  width, whatever the table's floor; the text is the base's."""
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  adapted = adapted_from(ar, block_size=4)
+  prompts, n = ["def add(a, b):\n", "x = 1\ny"], 24
+  want = ARGenerator(ar).generate(prompts, max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  ids = [Generator(adapted).encode_prompt(p) + c.tokens for p, c in zip(prompts, want.completions)]
+  rng = np.random.default_rng()
+  noise = [rng.integers(0, adapted.spec.cfg.vocab_size - 2, 30).tolist() for _ in range(4)]  # shares below 1
+  with_table = dataclasses.replace(adapted, draft_table=draft_table.build(ids + noise, adapted.spec.cfg.vocab_size))
+  gen = Generator(with_table)
+  common = dict(lookup=2, head_width=6, model_drafts=False, table_floor=floor)
+  full = gen.generate(prompts, max_new_tokens=n, sampler=revising(4, **common))
+  narrow = gen.generate(prompts, max_new_tokens=n, sampler=revising(4, pass_widths=(1, 2, 4, 6), **common))
+  for w, f, g in zip(want.completions, full.completions, narrow.completions):
+    assert f.tokens == g.tokens == w.tokens
+  assert narrow.forward_passes == full.forward_passes < n
+
+
+def test_a_table_floor_and_pass_widths_need_what_they_act_on():
+  with pytest.raises(ValueError, match="table_floor must be in"):
+    revising(lookup=2, table_floor=1.5)
+  with pytest.raises(ValueError, match="needs lookup > 0"):
+    revising(table_floor=0.3)
+  with pytest.raises(ValueError, match="needs model_drafts=False"):
+    revising(lookup=2, pass_widths=(1, 4))
+  for widths in [(1, 2), (2, 1, 4), (0, 4), (1, 1, 4), (1, 8)]:
+    with pytest.raises(ValueError, match="pass_widths must increase from at least 1 to the head's width 4"):
+      revising(lookup=2, model_drafts=False, pass_widths=widths)
+  assert revising(lookup=2, model_drafts=False, head_width=6, pass_widths=(1, 6)).pass_widths == (1, 6)

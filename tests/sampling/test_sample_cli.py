@@ -72,6 +72,9 @@ def test_ar_checkpoint(checkpoints):
     (["--lookup=2"], "lookup=2 offers copied drafts for revision to verify: it needs revise=True"),
     (["--head-width=8"], "head_width=8 is the width of revision's verified head: it needs revise=True"),
     (["--no-model-drafts"], "model_drafts=False leaves revision's drafts to copies and the draft table"),
+    (["--table-floor=0.3"], "table_floor=0.3 stops the draft table's chains: it needs lookup > 0"),
+    (["--pass-widths=1,x"], "expected comma-separated integers"),
+    (["--pass-widths=1,8"], "pass_widths=(1, 8) narrows passes of the head alone: it needs model_drafts=False"),
 ])
 def test_bad_flags(checkpoints, args, message):
   r = run(f"--checkpoint={checkpoints['mdlm']}", "--prompt=x", *args)
