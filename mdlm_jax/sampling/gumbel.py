@@ -76,9 +76,12 @@ def gumbel_argmax(logits: jax.Array, words: jax.Array, temperature: float = 1.0,
 def top_p_filter(logits: jax.Array, top_p) -> jax.Array:
   """Logits outside the nucleus (the most likely tokens whose mass reaches
   top_p) set to -inf, over the last axis. `top_p` broadcasts against
-  logits[..., :1]; the most likely token always stays, so a tiny top_p is greedy."""
+  logits[..., :1]; the most likely token always stays, so a tiny top_p is
+  greedy, and a top_p of 1 keeps every token (a float32 running sum reaches 1
+  before the tail ends: a row at 1 beside a row below it lost its tail)."""
   desc = -jnp.sort(-logits, axis=-1)
   probs = jax.nn.softmax(desc, axis=-1)
-  inside = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the mass strictly before a token
+  top_p = jnp.asarray(top_p, probs.dtype)
+  inside = ((jnp.cumsum(probs, axis=-1) - probs) < top_p) | (top_p >= 1)  # the mass strictly before a token
   cutoff = jnp.min(jnp.where(inside, desc, jnp.inf), axis=-1, keepdims=True)
   return jnp.where(logits >= cutoff, logits, -jnp.inf)

@@ -86,3 +86,18 @@ def test_top_p_filter_keeps_the_nucleus():
     want = np.zeros(40, bool)
     want[order[:n]] = True
     np.testing.assert_array_equal(got[r], want)
+
+
+def test_a_top_p_of_one_keeps_the_whole_tail():
+  """A row at top_p 1 keeps every token, however small, beside a row whose
+  nucleus is cut: a float32 running sum reaches 1 before the tail ends."""
+  from mdlm_jax.sampling.gumbel import top_p_filter
+  rng = np.random.default_rng()
+  logits = np.concatenate([rng.normal(size=(2, 8)) * 2 + 20, rng.normal(size=(2, 4000)) * 3 - 10], axis=1)
+  got = np.asarray(top_p_filter(jnp.asarray(logits, jnp.float32), jnp.asarray([[1.0], [0.5]], jnp.float32)))
+  assert np.isfinite(got[0]).all()
+  p = np.exp(logits[1] - logits[1].max())
+  p /= p.sum()
+  order = np.argsort(-p)
+  n = int(np.searchsorted(np.cumsum(p[order]), 0.5) + 1)
+  assert np.isfinite(got[1]).sum() == n
