@@ -355,7 +355,7 @@ def test_narrow_products_run_the_narrowest_width_that_holds_the_valid_columns():
     np.testing.assert_allclose(rows, got, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("decode_dtype", ["float32", "w8a8"])
+@pytest.mark.parametrize("decode_dtype", ["float32", pytest.param("w8a8", marks=pytest.mark.slow)])
 def test_a_narrowed_pass_scores_its_valid_columns_as_the_full_pass_does(tiny_checkpoints, decode_dtype):
   """A head-only speculative pass narrowed to its valid columns: the same
   logits there and at the base's next token after them, the same cache."""
@@ -393,7 +393,8 @@ def test_a_narrowed_pass_scores_its_valid_columns_as_the_full_pass_does(tiny_che
       np.testing.assert_allclose(a.k[:, r, ..., p:p + k], b.k[:, r, ..., p:p + k], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("floor", [pytest.param(0.0, marks=pytest.mark.slow), 0.5])  # CI: chains cut, widths vary
+@pytest.mark.slow  # CI: a narrowed pass against the full one (below), and the oracle's floors
+@pytest.mark.parametrize("floor", [0.0, 0.5])
 def test_narrow_passes_write_the_bases_text_in_the_passes_full_width_ones_take(tiny_checkpoints, floor):
   """Narrowing is cost only: the same text and passes as the head's full
   width, whatever the table's floor; the text is the base's."""
