@@ -34,6 +34,7 @@ from mdlm_jax.engine import packing as packing_lib
 from mdlm_jax.model.spec import ModelSpec, bind
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling import draft_table, grammar, rule
+from mdlm_jax.sampling.samplers import check_pass_widths
 
 
 @struct.dataclass
@@ -105,9 +106,8 @@ class SlotConfig:
   def __post_init__(self):
     if self.head_width and self.head_width < self.block_size:
       raise ValueError(f"head_width must be 0 or at least the block size {self.block_size}, got {self.head_width}")
-    widths = tuple(self.pass_widths)
-    if widths and (any(w < 1 for w in widths) or list(widths) != sorted(set(widths)) or widths[-1] != self.head):
-      raise ValueError(f"pass_widths must increase from at least 1 to the head's width {self.head}, got {widths}")
+    if self.pass_widths:
+      check_pass_widths(tuple(self.pass_widths), self.head)
 
   @property
   def head(self) -> int:

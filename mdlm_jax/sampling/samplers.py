@@ -364,9 +364,8 @@ class ThresholdSampler(ConfidenceSampler):
   # built from) falls below this. 0: the chain runs to the head's end.
   table_floor: float = 0.0
   # With model_drafts=False: the widths a pass may take, increasing, the last
-  # the head's; each pass takes the smallest that holds its drafts (one
-  # compiled pass a width). (): every pass is the head's width. Where a pass
-  # costs its token rows (a CPU), a short chain then costs a short pass.
+  # the head's; each pass runs its products at the smallest that holds its
+  # drafts (`layers.Narrow`). (): every pass is the head's width.
   pass_widths: tuple[int, ...] = ()
 
   def __post_init__(self):
@@ -398,8 +397,7 @@ class ThresholdSampler(ConfidenceSampler):
       widths, head = tuple(self.pass_widths), self.head_width or self.block_size
       if self.model_drafts:
         raise ValueError(f"pass_widths={widths} narrows passes of the head alone: it needs model_drafts=False")
-      if any(w < 1 for w in widths) or list(widths) != sorted(set(widths)) or widths[-1] != head:
-        raise ValueError(f"pass_widths must increase from at least 1 to the head's width {head}, got {widths}")
+      check_pass_widths(widths, head)
 
   def run(self, denoise: Denoise, tokens, valid, keys, lay: Layout, record: bool = False, emit=None):
     if self.revise:
@@ -496,6 +494,12 @@ class ThresholdSampler(ConfidenceSampler):
     size = self.block_size if self.block_size > 0 else lay.gen_len
     return -(-min(size, lay.gen_len) // max(self.min_tokens, 1))
 
+
+
+def check_pass_widths(widths: tuple[int, ...], head: int) -> None:
+  """Pass widths increase from at least 1 to the head's width (a sampler's or an engine's)."""
+  if any(w < 1 for w in widths) or list(widths) != sorted(set(widths)) or widths[-1] != head:
+    raise ValueError(f"pass_widths must increase from at least 1 to the head's width {head}, got {widths}")
 
 
 @dataclasses.dataclass(frozen=True)
