@@ -29,9 +29,14 @@ using mdlm_jax::ForEachChunk;
 
 namespace {
 
-// Queries that share a key/value head are scored together, so each key and
-// value row is read once for this many of them.
-constexpr int64_t kQueries = 4;
+// Queries that share a key/value head are scored together, so each key row
+// is read once for up to this many of them (a pass of six columns has 18 a
+// head of SmolLM2: two blocks rather than five of four, whose rereads of the
+// keys' strided rows were most of the kernel's time, profiled). Their 2 * 12
+// sums and two rows of keys fit the 32 vector registers.
+constexpr int64_t kMaxQueries = 12;
+// The most queries whose values' sums are formed together (`QueriesAtWidth`).
+constexpr int kMaxGroup = 8;
 // Head dimensions up to 16 * kMaxWidth (a multiple of 16) keep an output row
 // in registers while the values are summed.
 constexpr int64_t kMaxWidth = 8;
@@ -60,33 +65,31 @@ inline __m512 Exp(__m512 x) {
 #endif
 
 #if defined(__AVX512F__)
-// o[i] = sum_j p[i][j] * inv[i] * values[j] over j < end for Q queries, their
-// rows of W * 16 outputs in registers (a width known at compile time: bounded
-// at run time, the accumulators went through memory). Each value row is read
-// once for the Q queries, and their Q * W sums are independent chains (one
-// query at a time, each of its W sums waited on the last fused multiply-add;
-// the values' sums were about a third of the kernel's time, profiled). A slot
-// whose probabilities are all zero (masked, or past every query's end) is
-// skipped; p[i][j] is 0 past query i's own end.
+// o[i] = sum_j p[i][j] * values[j] over lo <= j < end for Q queries (p
+// already normalised), their rows of W * 16 outputs in registers (a width
+// known at compile time: bounded at run time, the accumulators went through
+// memory). Each value row is read once for the Q queries, and their Q * W
+// sums are independent chains (one query at a time, each of its W sums waited
+// on the last fused multiply-add). Slots not `valid` are skipped; p[i][j] is
+// 0 past query i's own end (the values of valid slots are finite, so 0 * v
+// adds nothing).
 template <int W, int Q>
-void SumValues(const float* const* p, int64_t end, const float* inv, const float* values, float* const* o) {
+void SumValues(const float* const* p, int64_t lo, int64_t end, const bool* valid, const float* values,
+               float* const* o) {
   __m512 acc[Q][W];
 #pragma GCC unroll 16
   for (int i = 0; i < Q; ++i)
 #pragma GCC unroll 16
     for (int c = 0; c < W; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < end; ++j) {
-    bool any = false;
-#pragma GCC unroll 16
-    for (int i = 0; i < Q; ++i) any |= p[i][j] != 0.f;
-    if (!any) continue;
+  for (int64_t j = lo; j < end; ++j) {
+    if (!valid[j]) continue;
     const float* v = values + j * W * 16;
     __m512 vc[W];
 #pragma GCC unroll 16
     for (int c = 0; c < W; ++c) vc[c] = _mm512_loadu_ps(v + 16 * c);
 #pragma GCC unroll 16
     for (int i = 0; i < Q; ++i) {
-      const __m512 w = _mm512_set1_ps(p[i][j] * inv[i]);
+      const __m512 w = _mm512_set1_ps(p[i][j]);
 #pragma GCC unroll 16
       for (int c = 0; c < W; ++c) acc[i][c] = _mm512_fmadd_ps(w, vc[c], acc[i][c]);
     }
@@ -97,28 +100,29 @@ void SumValues(const float* const* p, int64_t end, const float* inv, const float
     for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[i] + 16 * c, acc[i][c]);
 }
 
-// Queries summed together at width W: as many as keep Q * W + W vectors in
-// the 32 registers, at most kQueries.
-constexpr int QueriesAtWidth(int w) { return w <= 4 ? 4 : 2; }
-using SumValuesFn = void (*)(const float* const*, int64_t, const float*, const float*, float* const*);
+// Queries summed together at width W: as many as keep Q * W + W + 1 vectors
+// in the 32 registers, at most 8.
+constexpr int QueriesAtWidth(int w) { return std::min(kMaxGroup, std::max(1, (28 - w) / w)); }
+using SumValuesFn = void (*)(const float* const*, int64_t, int64_t, const bool*, const float*, float* const*);
 constexpr SumValuesFn kSumValues[kMaxWidth] = {
     SumValues<1, QueriesAtWidth(1)>, SumValues<2, QueriesAtWidth(2)>, SumValues<3, QueriesAtWidth(3)>,
     SumValues<4, QueriesAtWidth(4)>, SumValues<5, QueriesAtWidth(5)>, SumValues<6, QueriesAtWidth(6)>,
     SumValues<7, QueriesAtWidth(7)>, SumValues<8, QueriesAtWidth(8)>};
-static_assert(kQueries % QueriesAtWidth(1) == 0 && kQueries % QueriesAtWidth(8) == 0,
-              "query blocks split evenly into the sums' groups");
 #endif
 
-// Up to kQueries queries of one key/value head: `q` their rows (d floats
-// each, already scaled), `keys` [d, s] and `values` [s, d] of the layer,
-// `ends` each query's readable end, `valid` the slots' flags; `out` their
-// output rows.
+// Up to Q queries of one key/value head: `q` their rows (d floats each,
+// already scaled), `keys` [d, s] and `values` [s, d] of the layer, `ends`
+// each query's readable end, `valid` the slots' flags; `out` their output rows.
+template <int64_t Q>
 void Queries(const float* const* q, int64_t nq, const float* keys, const float* values, const bool* valid,
              const int64_t* ends, int64_t s, int64_t d, float* const* out) {
+  constexpr int64_t kQueries = Q;
   int64_t reach = 0;
   for (int64_t i = 0; i < nq; ++i) reach = std::max(reach, ends[i]);
   // Each query's scores, then probabilities, over the slots up to the furthest end.
-  std::vector<float> scores(kQueries * reach);  // rows past nq: scratch for absent queries
+  // Rows past nq, and up to a whole group of the values' sums past those:
+  // scratch for absent queries.
+  std::vector<float> scores((kQueries + kMaxGroup) * reach);
   // Scores: each row of the keys is read once for all the queries, 32 slots
   // at a time. Every loop over queries runs to the constant kQueries (absent
   // queries read a row of zeros) so that the accumulators stay in registers:
@@ -221,18 +225,21 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       total += row[j];
     }
     inv[i] = 1.f / total;
+    for (j = lo; j < ends[i]; ++j) row[j] *= inv[i];
   }
 #if defined(__AVX512F__)
   if (d % 16 == 0 && d <= 16 * kMaxWidth) {
-    float sink[kQueries * 16 * kMaxWidth];  // outputs of absent queries (no allocation a call)
-    const float* ps[kQueries];
-    float* os[kQueries];
-    for (int64_t i = 0; i < kQueries; ++i) {
+    // Outputs of absent queries (no allocation a call); their rows are zeros.
+    float sink[(kQueries + kMaxGroup) * 16 * kMaxWidth];
+    const float* ps[kQueries + kMaxGroup];
+    float* os[kQueries + kMaxGroup];
+    for (int64_t i = 0; i < kQueries + kMaxGroup; ++i) {
       ps[i] = scores.data() + i * reach;
       os[i] = i < nq ? out[i] : sink + i * d;
     }
+    std::fill(scores.begin() + kQueries * reach, scores.end(), 0.f);
     const int width = static_cast<int>(d / 16), group = QueriesAtWidth(width);
-    for (int64_t i = 0; i < kQueries; i += group) kSumValues[width - 1](ps + i, reach, inv + i, values, os + i);
+    for (int64_t i = 0; i < nq; i += group) kSumValues[width - 1](ps + i, lo, reach, valid, values, os + i);
     return;
   }
 #endif
@@ -242,11 +249,23 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
     std::fill(o, o + d, 0.f);
     for (j = 0; j < ends[i]; ++j) {
       if (row[j] == 0.f) continue;
-      const float p = row[j] * inv[i];
+      const float p = row[j];
       const float* v = values + j * d;
       for (int64_t c = 0; c < d; ++c) o[c] += p * v[c];
     }
   }
+}
+
+// The block sizes Queries is built for, and the one that holds n queries.
+constexpr int64_t kBlockSizes[] = {2, 4, 6, 8, 10, 12};
+using QueriesFn = void (*)(const float* const*, int64_t, const float*, const float*, const bool*, const int64_t*,
+                           int64_t, int64_t, float* const*);
+constexpr QueriesFn kQueriesFns[] = {Queries<2>, Queries<4>, Queries<6>, Queries<8>, Queries<10>, Queries<12>};
+static_assert(kBlockSizes[5] == kMaxQueries, "the largest block is kMaxQueries");
+inline QueriesFn QueriesFor(int64_t n) {
+  int k = 0;
+  while (kBlockSizes[k] < n) ++k;
+  return kQueriesFns[k];
 }
 
 }  // namespace
@@ -273,8 +292,11 @@ static ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
         "cache_attention: want keys [n, B >= b, g, d, s], values [n, B, g, s, d], h a multiple of g, a layer in"
         " [0, n), q_end [b, l] and kv_valid [b, s]");
   }
+  // Each head's queries in the fewest blocks of at most kMaxQueries, evened out.
   const int64_t per_group = h / g, queries = l * per_group;
-  const int64_t blocks = (queries + kQueries - 1) / kQueries;
+  const int64_t blocks = (queries + kMaxQueries - 1) / kMaxQueries;
+  const int64_t per_block = (queries + blocks - 1) / blocks;
+  const QueriesFn queries_fn = QueriesFor(per_block);
   const float* qp = q.typed_data();
   const float* kp = keys.typed_data() + layer * rows * g * d * s;
   const float* vp = values.typed_data() + layer * rows * g * s * d;
@@ -286,10 +308,10 @@ static ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
   for (int64_t i = 0; i < b * l * h * d; ++i) scaled[i] = qp[i] * scale;
   ForEachChunk(pool, b * g * blocks, [&](int64_t item) {
     const int64_t row = item / (g * blocks), group = item / blocks % g, block = item % blocks;
-    const float* qs[kQueries];
-    float* os[kQueries];
-    int64_t reach[kQueries];
-    const int64_t first = block * kQueries, nq = std::min(kQueries, queries - first);
+    const float* qs[kMaxQueries];
+    float* os[kMaxQueries];
+    int64_t reach[kMaxQueries];
+    const int64_t first = block * per_block, nq = std::min(per_block, queries - first);
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t query = (first + i) / per_group, head = group * per_group + (first + i) % per_group;
       const int64_t at = ((row * l + query) * h + head) * d;
@@ -297,7 +319,7 @@ static ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
       os[i] = op + at;
       reach[i] = std::clamp<int64_t>(ends[row * l + query], 0, s);
     }
-    Queries(qs, nq, kp + (row * g + group) * d * s, vp + (row * g + group) * s * d, valid + row * s, reach, s, d, os);
+    queries_fn(qs, nq, kp + (row * g + group) * d * s, vp + (row * g + group) * s * d, valid + row * s, reach, s, d, os);
   });
   return ffi::Error::Success();
 }

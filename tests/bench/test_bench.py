@@ -109,7 +109,8 @@ def test_reference_quality_scores_the_true_continuations():
 
 def test_run_setting_times_each_batch_and_pools_quality():
   """Fake generator and scorer: every figure follows from what they return,
-  and each batch is generated 1 (compile) + `repeats` times."""
+  and each batch is generated `repeats` times after one untimed run for each
+  distinct set of prompt lengths (the diffusion generator compiles for each)."""
   from types import SimpleNamespace
 
   calls = []
@@ -121,11 +122,16 @@ def test_run_setting_times_each_batch_and_pools_quality():
       return SimpleNamespace(forward_passes=2, completions=done)
 
     def encode_prompt(self, p):
-      return [1]
+      return [1] * len(p)
 
-  got = bench_sample.run_setting(Gen(), ["a = (", "b = 2\n", "c", "d"], 2, 3, None,
+  prompts = ["a = (", "b = 2\n", "c", "d", "e", "f"]  # batches of lengths (5, 6), (1, 1), (1, 1)
+  got = bench_sample.run_setting(Gen(), prompts[:4], 2, 3, None,
                                  lambda prompt, completion: (0.5 * len(completion), len(completion)), repeats=3)
-  assert len(calls) == 1 + 2 * 3
+  assert calls[:2] == [prompts[:2], prompts[2:4]]  # compiled: each set of lengths once, before any timed run
+  assert len(calls) == 2 + 2 * 3
+  calls.clear()
+  bench_sample.run_setting(Gen(), prompts, 2, 3, None, lambda prompt, completion: (0.0, 1), repeats=1)
+  assert len(calls) == 2 + 3  # (1, 1) twice: compiled once
   assert got["tokens_per_forward"] == 6 / 2 / 2  # 6 tokens a batch, 2 passes, 2 rows
   assert got["forward_passes_mean"] == 2 and got["new_tokens_mean"] == 3
   np.testing.assert_allclose(got["gen_ppl"], np.exp(0.5), rtol=1e-12)

@@ -176,3 +176,26 @@ def test_a_query_reads_the_same_bits_wherever_its_slots_sit():
                                                                                    kv_valid=jnp.asarray(valid)))))
   for pad, out in enumerate(outs):
     np.testing.assert_array_equal(out, outs[0], err_msg=f"padding {pad}, seed {seed}")
+
+
+def test_a_query_reads_the_same_bits_beside_any_number_of_others():
+  """A query alone (an AR step: one column) or among up to 20 columns of a
+  pass (a revising pass's head, scored in blocks of other sizes): its output
+  is the same bits, as the revising pass's verification of the AR step needs."""
+  rng, seed = fresh_rng()
+  d, g, r, s = 64, 3, 3, int(rng.integers(40, 400))
+  keys = rng.normal(size=(1, 1, g, d, s)).astype(np.float32)
+  values = rng.normal(size=(1, 1, g, s, d)).astype(np.float32)
+  valid = rng.random((1, s)) < 0.9
+  columns = 20
+  q = (rng.normal(size=(1, columns, g * r, d)) * 2).astype(np.float32)
+  q_end = np.sort(rng.integers(1, s + 1, size=(1, columns))).astype(np.int32)
+
+  def attend(cols):
+    mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(q_end[:, cols]), kv_valid=jnp.asarray(valid))
+    return np.asarray(cpu_attention.cpu_cache_attention(jnp.asarray(q[:, cols]), jnp.asarray(keys),
+                                                        jnp.asarray(values), 0, mask))
+
+  alone = np.concatenate([attend([i]) for i in range(columns)], axis=1)
+  for n in (2, 4, 6, 7, 13, columns):
+    np.testing.assert_array_equal(attend(list(range(n))), alone[:, :n], err_msg=f"{n} columns, seed {seed}")

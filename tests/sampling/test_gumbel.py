@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mdlm_jax.sampling import gumbel
 from mdlm_jax.sampling.gumbel import argmax, gumbel_argmax, random_words
 
 
@@ -15,16 +16,23 @@ def _reference_argmax(logits, words, temperature):
   return np.argmax(np.asarray(logits, np.float64) / temperature - np.log(-np.log(u)), axis=-1)
 
 
+@pytest.mark.parametrize("nan_first", [False, True])
+@pytest.mark.parametrize("way", [argmax, gumbel._max_then_search, gumbel._pairwise_argmax])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_argmax_is_numpys_first_index(dtype):
+def test_argmax_is_numpys_first_index(dtype, way, nan_first):
   """Ties (values drawn from a few levels) go to the first index, as do
-  -inf rows and NaN (numpy's argmax takes the first NaN)."""
+  -inf rows and NaN (numpy's argmax takes the first NaN, here after maxima),
+  both ways `argmax` may take and whichever it takes (a row that starts with
+  NaN sends it the second way)."""
   rng = np.random.default_rng()
   x = rng.integers(-3, 4, size=(3, 5, 1000)).astype(dtype)
   x[0, 1] = -np.inf
-  x[1, 2, rng.integers(1000, size=3)] = np.nan
+  x[1, 2, 500 + rng.integers(500, size=3)] = np.nan
+  x[1, 2, rng.integers(500)] = 9
+  if nan_first:
+    x[2, 3, 0] = np.nan
   with jax.enable_x64(dtype == np.float64):
-    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    got = np.asarray(jax.jit(way)(jnp.asarray(x)))
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
