@@ -6,7 +6,8 @@
 
 Every figure of the adapted model (default: the packaged one) is set beside
 its base (the checkpoint's `base`, decoded by our own KV-cached AR path) on
-the same prompts, on this machine, at batch 1:
+the same prompts, on this machine, at batch 1, the base timed before and
+after the adapted model and its faster run kept:
 - HumanEval through the chat template (`bench humaneval --modes=chat`): the
   functions that pass, answer tokens per forward pass and per second, and the
   pass count as a fraction of the base's;
@@ -197,6 +198,17 @@ def decoding_weight_bytes(model, decode_dtype: str = "float32") -> int:
   return bound.weight_bytes(params, cfg)
 
 
+def faster_run(result: dict, part: str, first: dict, second: dict) -> dict:
+  """The base's row of `part`: the faster of its two runs, one before the
+  adapted model's and one after (its step moved 8.0 to 11.2 ms between runs
+  of one sitting while the adapted model's pass held within 4%), so a slow
+  spell of the machine does not flatter the adapted model. Both speeds are
+  kept under result["base_runs"][part]."""
+  result.setdefault("base_runs", {})[part] = [first["tokens_per_s"], second["tokens_per_s"]]
+  print(f"base, {part}: {first['tokens_per_s']:.1f} then {second['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+  return max((first, second), key=lambda r: r["tokens_per_s"])
+
+
 def code_completions(gen, prompts, new_tokens: int, sampler, scorer) -> dict:
   from mdlm_jax.bench.sample import run_setting
   r = run_setting(gen, prompts, 1, new_tokens, sampler, scorer)
@@ -259,6 +271,9 @@ def main(argv=None):
       result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
     finally:
       backend.close()
+  print("base again: HumanEval chat", file=sys.stderr, flush=True)
+  result["humaneval_chat"]["base"] = faster_run(result, "humaneval_chat", result["humaneval_chat"]["base"],
+                                                humaneval_chat(ar, tasks, a.answer_tokens))
   result["bound"] = pass_bounds(result["humaneval_chat"], adapted, base, tasks, a.decode_dtype)
   he = result["humaneval_chat"]
   for effort in settings:
@@ -280,6 +295,10 @@ def main(argv=None):
       sampler = presets.for_model(_effort(name), adapted.config.diffusion.block_size,
                                   in_order=adapted.spec.cfg.clean_causal, **overrides)
       result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
+    result["code"]["base"] = faster_run(result, "code", result["code"]["base"],
+                                        code_completions(ARGenerator(base, decode_dtype=a.decode_dtype), prompts,
+                                                         a.new_tokens, ARSampler(a.new_tokens, temperature=0.0),
+                                                         scorer))
   finish(result, a, plot)
 
 

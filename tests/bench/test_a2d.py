@@ -50,6 +50,16 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
     assert b[name]["pass_s"] == pytest.approx(he[name]["generation_s"] / he[name]["forward_passes"])
     assert 0 < b[name]["fraction_of_bound"] and b[name]["bytes_per_pass"] > b[name]["weight_bytes"] > 0
   assert 0 <= he["medium"]["host_share"] < 1 and "host_share" not in he["base"]
+  for part in ("humaneval_chat", "code"):  # the base timed before and after, its faster run kept
+    assert len(res["base_runs"][part]) == 2 and res[part]["base"]["tokens_per_s"] == max(res["base_runs"][part])
+
+
+def test_the_base_row_is_its_faster_run_and_both_are_kept():
+  result = {}
+  first, second = {"tokens_per_s": 90.0, "passed": 1}, {"tokens_per_s": 120.0, "passed": 1}
+  assert a2d.faster_run(result, "humaneval_chat", first, second) is second
+  assert a2d.faster_run(result, "code", second, first) is second
+  assert result["base_runs"] == {"humaneval_chat": [90.0, 120.0], "code": [120.0, 90.0]}
 
 
 def test_bad_agreements_are_refused(capsys):
