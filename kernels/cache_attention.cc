@@ -121,7 +121,7 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
   for (int64_t i = 0; i < nq; ++i) reach = std::max(reach, ends[i]);
   // Each query's scores, then probabilities, over the slots up to the furthest end.
   // Rows past nq, and up to a whole group of the values' sums past those:
-  // scratch for absent queries.
+  // scratch for absent queries (the rows past kQueries stay zeros).
   std::vector<float> scores((kQueries + kMaxGroup) * reach);
   // Scores: each row of the keys is read once for all the queries, 32 slots
   // at a time. Every loop over queries runs to the constant kQueries (absent
@@ -237,7 +237,6 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       ps[i] = scores.data() + i * reach;
       os[i] = i < nq ? out[i] : sink + i * d;
     }
-    std::fill(scores.begin() + kQueries * reach, scores.end(), 0.f);
     const int width = static_cast<int>(d / 16), group = QueriesAtWidth(width);
     for (int64_t i = 0; i < nq; i += group) kSumValues[width - 1](ps + i, lo, reach, valid, values, os + i);
     return;

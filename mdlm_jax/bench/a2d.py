@@ -286,8 +286,9 @@ def main(argv=None):
     held_out = dataclasses.replace(adapted, config=config)
     prompts = [p for p, _ in validation_examples(held_out, a.code_prompts, a.prompt_tokens, a.new_tokens)]
     scorer = GenPPL(base)
-    result["code"]["base"] = code_completions(ARGenerator(base, decode_dtype=a.decode_dtype), prompts, a.new_tokens,
-                                              ARSampler(a.new_tokens, temperature=0.0), scorer)
+    base_gen = ARGenerator(base, decode_dtype=a.decode_dtype)
+    result["code"]["base"] = code_completions(base_gen, prompts, a.new_tokens, ARSampler(a.new_tokens, temperature=0.0),
+                                              scorer)
     gen = Generator(adapted, decode_dtype=a.decode_dtype)
     table = gen.draft_table
     for name, overrides in settings.items():
@@ -296,9 +297,8 @@ def main(argv=None):
                                   in_order=adapted.spec.cfg.clean_causal, **overrides)
       result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
     result["code"]["base"] = faster_run(result, "code", result["code"]["base"],
-                                        code_completions(ARGenerator(base, decode_dtype=a.decode_dtype), prompts,
-                                                         a.new_tokens, ARSampler(a.new_tokens, temperature=0.0),
-                                                         scorer))
+                                        code_completions(base_gen, prompts, a.new_tokens,
+                                                         ARSampler(a.new_tokens, temperature=0.0), scorer))
   finish(result, a, plot)
 
 

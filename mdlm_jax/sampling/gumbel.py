@@ -40,7 +40,11 @@ def argmax(x: jax.Array) -> jax.Array:
   rounding (a multiply-add contracted in one and not in the other), no
   element need equal "the" maximum, and under a frequency penalty the search
   returned the index past the end. The second way, one (value, index)
-  reduction, takes rows whose first element is NaN."""
+  reduction, takes rows whose first element is NaN (any predicate unknown to
+  the compiler would do). Elsewhere the reduction alone: a GPU reads a
+  conditional's predicate on the host, a sync every step."""
+  if jax.default_backend() != "cpu":
+    return _pairwise_argmax(x)
   first = lax.index_in_dim(x, 0, axis=x.ndim - 1, keepdims=False)
   return lax.cond(jnp.all(first == first), _max_then_search, _pairwise_argmax, x)
 
