@@ -30,11 +30,19 @@ using mdlm_jax::ForEachChunk;
 namespace {
 
 // Queries that share a key/value head are scored together, so each key row
-// is read once for up to this many of them (a pass of six columns has 18 a
-// head of SmolLM2: two blocks rather than five of four, whose rereads of the
-// keys' strided rows were most of the kernel's time, profiled). Their 2 * 12
-// sums and two rows of keys fit the 32 vector registers.
-constexpr int64_t kMaxQueries = 12;
+// is read once for up to this many of them (a pass of eight columns has 24 a
+// head of SmolLM2: one block, where blocks of four reread the keys' strided
+// rows six times, most of the kernel's time, profiled). Up to 12 queries take
+// 32 slots a step (2 * 12 sums and two rows of keys in the 32 vector
+// registers), more take 16.
+constexpr int64_t kMaxQueries = 24;
+// Steps of slots between a key row's loads and its prefetch: the keys are
+// d rows of the layer's buffer s slots apart, too many streams for the
+// hardware prefetcher, and a step's values are prefetched into L2 with its
+// keys, so the sums over the values find them there. Six columns over 306
+// filled slots of a cache out of L2 took 111 us a layer, one thread, without
+// either (with blocks of twelve), 71 with both; 8 steps ahead did no better.
+constexpr int64_t kPrefetchSteps = 2;
 // The most queries whose values' sums are formed together (`QueriesAtWidth`).
 constexpr int kMaxGroup = 8;
 // Head dimensions up to 16 * kMaxWidth (a multiple of 16) keep an output row
@@ -123,40 +131,57 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
   // Rows past nq, and up to a whole group of the values' sums past those:
   // scratch for absent queries (the rows past kQueries stay zeros).
   std::vector<float> scores((kQueries + kMaxGroup) * reach);
-  // Scores: each row of the keys is read once for all the queries, 32 slots
-  // at a time. Every loop over queries runs to the constant kQueries (absent
-  // queries read a row of zeros) so that the accumulators stay in registers:
-  // bounded by nq they went through memory, 8x slower (measured).
+  // Scores: each row of the keys is read once for all the queries, V * 16
+  // slots a step. Every loop over queries runs to the constant kQueries
+  // (absent queries read zeros) so that the accumulators stay in registers:
+  // bounded by nq they went through memory, 8x slower (measured). The
+  // queries' elements sit transposed in one array, [d, kQueries]: through a
+  // pointer a query, the compiler kept the pointers in vector registers and
+  // moved each out to a general register every step.
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const std::vector<float> zeros(d, 0.f);
-  const float* qq[kQueries];
-  for (int64_t i = 0; i < kQueries; ++i) qq[i] = i < nq ? q[i] : zeros.data();
-  for (; j < reach; j += 32) {
-    const int64_t left = reach - j;
-    const __mmask16 m0 = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
-    __m512 a0[kQueries], a1[kQueries];
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < kQueries; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+  constexpr int V = kQueries <= 12 ? 2 : 1;
+  constexpr int64_t kStep = 16 * V;
+  std::vector<float> qt(d * kQueries, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t c = 0; c < d; ++c) qt[c * kQueries + i] = q[i][c];
+  for (int64_t c = 0; c < d; ++c)
+    for (int64_t a = 0; a < std::min(reach, kStep * kPrefetchSteps); a += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(keys + c * s + a), _MM_HINT_T0);
+  for (; j < reach; j += kStep) {
+    __mmask16 mask[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) {
+      const int64_t left = reach - j - 16 * v;
+      mask[v] = left >= 16 ? 0xffff : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    }
+    __m512 acc[kQueries][V];
+#pragma GCC unroll 32
+    for (int64_t i = 0; i < kQueries; ++i)
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < d; ++c) {
       const float* row = keys + c * s + j;
-      _mm_prefetch(reinterpret_cast<const char*>(row + 32), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(row + 48), _MM_HINT_T0);
-      const __m512 k0 = _mm512_maskz_loadu_ps(m0, row);
-      const __m512 k1 = _mm512_maskz_loadu_ps(m1, row + 16);
-#pragma GCC unroll 16
+      const float* qc = qt.data() + c * kQueries;
+      __m512 k[V];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + kStep * kPrefetchSteps + 16 * v), _MM_HINT_T0);
+        // The step's values, a line for each key row read: V * 16 slots of d floats.
+        _mm_prefetch(reinterpret_cast<const char*>(values + j * d + 16 * (c * V + v)), _MM_HINT_T1);
+        k[v] = _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
+      }
+#pragma GCC unroll 32
       for (int64_t i = 0; i < kQueries; ++i) {
-        const __m512 qb = _mm512_set1_ps(qq[i][c]);
-        a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
-        a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
+        const __m512 qb = _mm512_set1_ps(qc[i]);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(qb, k[v], acc[i][v]);
       }
     }
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < kQueries; ++i) {
-      _mm512_mask_storeu_ps(scores.data() + i * reach + j, m0, a0[i]);
-      _mm512_mask_storeu_ps(scores.data() + i * reach + j + 16, m1, a1[i]);
-    }
+#pragma GCC unroll 32
+    for (int64_t i = 0; i < kQueries; ++i)
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(scores.data() + i * reach + j + 16 * v, mask[v], acc[i][v]);
   }
 #else
   for (int64_t i = 0; i < nq; ++i)
@@ -256,11 +281,12 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
 }
 
 // The block sizes Queries is built for, and the one that holds n queries.
-constexpr int64_t kBlockSizes[] = {2, 4, 6, 8, 10, 12};
+constexpr int64_t kBlockSizes[] = {2, 4, 6, 8, 10, 12, 15, 18, 21, 24};
 using QueriesFn = void (*)(const float* const*, int64_t, const float*, const float*, const bool*, const int64_t*,
                            int64_t, int64_t, float* const*);
-constexpr QueriesFn kQueriesFns[] = {Queries<2>, Queries<4>, Queries<6>, Queries<8>, Queries<10>, Queries<12>};
-static_assert(kBlockSizes[5] == kMaxQueries, "the largest block is kMaxQueries");
+constexpr QueriesFn kQueriesFns[] = {Queries<2>,  Queries<4>,  Queries<6>,  Queries<8>,  Queries<10>,
+                                     Queries<12>, Queries<15>, Queries<18>, Queries<21>, Queries<24>};
+static_assert(kBlockSizes[9] == kMaxQueries, "the largest block is kMaxQueries");
 inline QueriesFn QueriesFor(int64_t n) {
   int k = 0;
   while (kBlockSizes[k] < n) ++k;
