@@ -69,6 +69,9 @@ def parse(argv):
                  help="comma-separated off/on: each revision setting without the model's drafts with every pass the"
                       " head's width (off), or as narrow as its drafts, of widths 1, 2, 4 and the head's, the draft"
                       " table's chains cut below --table-floor (on)")
+  p.add_argument("--head-widths", default="",
+                 help="comma-separated: each revision setting with lookup again verifying heads of each of these"
+                      " columns, at least the block ('': the width the presets verify on this backend)")
   p.add_argument("--table-floor", type=float, default=0.1,
                  help="with --narrow-passes on: the chance below which the draft table's chains stop")
   p.add_argument("--limit", type=int, default=0, help="only the first N HumanEval problems (0: all 164)")
@@ -114,6 +117,12 @@ def parse(argv):
   a.narrow_passes = [x.strip() for x in a.narrow_passes.split(",") if x.strip()]
   if not a.narrow_passes or any(x not in ("off", "on") for x in a.narrow_passes):
     p.error(f"--narrow-passes must be a comma-separated subset of off,on, got {a.narrow_passes!r}")
+  try:
+    a.head_widths = [int(x) for x in a.head_widths.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--head-widths must be comma-separated integers, got {a.head_widths!r}")
+  if any(w < 1 for w in a.head_widths):
+    p.error(f"--head-widths must be positive, got {a.head_widths}")
   if not 0 <= a.table_floor <= 1:
     p.error(f"--table-floor must be in [0, 1], got {a.table_floor}")
   if any(e not in EFFORTS for e in a.efforts):
@@ -254,14 +263,20 @@ def main(argv=None):
   has_table = adapted.draft_table is not None
   drafts = {"auto": None, "on": True, "off": False}
   bs = presets.block_size_for(adapted.config.diffusion.block_size)
-  head = presets.head_width_for(bs) or bs
-  narrow = {"off": {}, "on": {"pass_widths": tuple(w for w in (1, 2, 4) if w < head) + (head,),
-                              "table_floor": a.table_floor}}
-  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table, drafts[m], w == "on" and n > 0):
+  if any(w < bs for w in a.head_widths):
+    cli.fail("bench a2d", ValueError(f"--head-widths must be at least the model's block of {bs}, got {a.head_widths}"))
+
+  def narrowing(on: bool, head: int | None) -> dict:
+    head = head or presets.head_width_for(bs) or bs
+    return {"pass_widths": tuple(w for w in (1, 2, 4) if w < head) + (head,), "table_floor": a.table_floor} if on else {}
+
+  settings.update({revision_name(t, g, n, table == "on" and n > 0 and has_table, drafts[m], w == "on" and n > 0,
+                                 h if n else None):
                    {"revise": True, "threshold": t, "agreement": g, "lookup": n,
-                    **({} if drafts[m] is None else {"model_drafts": drafts[m]}), **(narrow[w] if n else {})}
+                    **({} if drafts[m] is None else {"model_drafts": drafts[m]}),
+                    **(narrowing(w == "on", h) if n else {}), **({"head_width": h} if n and h else {})}
                    for t in a.revise_thresholds for g in a.agreements for n in a.lookups for table in a.draft_tables
-                   for m in a.model_drafts for w in a.narrow_passes})
+                   for m in a.model_drafts for w in a.narrow_passes for h in (a.head_widths or [None])})
   for name, overrides in settings.items():
     print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
     backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
@@ -303,15 +318,16 @@ def main(argv=None):
 
 
 def revision_name(threshold: float, agreement: float, lookup: int = 0, table: bool = False,
-                  model_drafts: bool | None = None, narrow: bool = False) -> str:
+                  model_drafts: bool | None = None, narrow: bool = False, head_width: int | None = None) -> str:
   """A revision setting's row: its draft threshold, its agreement where below
   1, its lookup where drafts are copied, whether the model's draft table
   chains more, where set rather than the presets' choice whether the model's
-  masked block drafts, and whether passes are as narrow as their drafts."""
+  masked block drafts, whether passes are as narrow as their drafts, and the
+  head's columns where set rather than the presets' choice."""
   return (f"{threshold:g}+revise" + ("" if agreement == 1 else f"@{agreement:g}")
           + (f"+lookup{lookup}" if lookup else "") + ("+table" if table else "")
           + ("" if model_drafts is None else "+model-drafts" if model_drafts else "+no-model-drafts")
-          + ("+narrow" if narrow else ""))
+          + ("+narrow" if narrow else "") + (f"+head{head_width}" if head_width else ""))
 
 
 def _effort(name: str) -> str:

@@ -244,12 +244,12 @@ class EngineBackend:
     # A sampler's pass widths are its engine's: the engine narrows the passes it shares.
     self.engine = Engine(loaded, num_slots=slots, max_prompt=max_prompt, max_new_tokens=-(-max_new_tokens // bs) * bs,
                          max_queue=1 << 20, decode_dtype=decode_dtype, draft_table=draft_table,
-                         pass_widths=overrides.get("pass_widths", ()),
+                         pass_widths=overrides.get("pass_widths", ()), head_width=overrides.get("head_width"),
                          **({} if passes_per_turn is None else {"passes_per_turn": passes_per_turn})).warmup().start()
     self.sampler = self.engine.sampler_for(effort, temperature=temperature, **overrides)
     # Infilling requests cannot be revised: they decode as the effort does without.
     infill = {k: v for k, v in overrides.items()
-              if k not in ("revise", "agreement", "lookup", "model_drafts", "pass_widths", "table_floor")}
+              if k not in ("revise", "agreement", "lookup", "model_drafts", "pass_widths", "table_floor", "head_width")}
     self.infill_sampler = self.engine.sampler_for(effort, temperature=temperature, revisable=False, **infill)
 
   def generate(self, prefixes, suffixes, *, max_tokens, stop: Sequence[str], seed: int) -> list[str]:

@@ -99,3 +99,14 @@ def test_narrow_passes_are_off_or_on(capsys):
     with pytest.raises(SystemExit):
       a2d.parse(bad)
     assert bad[0].split("=")[0] in capsys.readouterr().err
+
+
+def test_head_widths_are_positive_integers_and_name_their_rows(capsys):
+  assert a2d.parse([]).head_widths == []
+  assert a2d.parse(["--head-widths=6,8"]).head_widths == [6, 8]
+  assert a2d.revision_name(0.3, 1.0, 2, True, None, False, 8) == "0.3+revise+lookup2+table+head8"
+  assert a2d.revision_name(0.3, 1.0, 2, True, None, False, None) == "0.3+revise+lookup2+table"
+  for bad in (["--head-widths=six"], ["--head-widths=0"]):
+    with pytest.raises(SystemExit):
+      a2d.parse(bad)
+    assert "--head-widths" in capsys.readouterr().err
