@@ -307,8 +307,10 @@ def _of_pairs(path: str, z: dict) -> DraftTable:
 
 
 def answers_of(path: str) -> list[str]:
-  """The assistant turns of a chat jsonl (`python -m mdlm_jax.distill`'s
-  output; .gz read as such)."""
+  """The model's own text in a jsonl of `python -m mdlm_jax.distill` (.gz
+  read as such): the assistant turns of its chat records, and each
+  continuation record's window and continuation as one text (the
+  continuation follows on from the window's last tokens)."""
   opener = gzip.open if path.endswith(".gz") else open
   out = []
   with opener(path, "rt", encoding="utf-8") as f:
@@ -316,9 +318,14 @@ def answers_of(path: str) -> list[str]:
       if not line.strip():
         continue
       try:
-        messages = json.loads(line)["messages"]
+        record = json.loads(line)
+        if isinstance(record, dict) and isinstance(record.get("completion"), str):
+          out.append(record["prompt"] + record["completion"])
+          continue
+        messages = record["messages"]
       except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}:{n}: not a chat record with 'messages' ({e})") from None
+        raise ValueError(f"{path}:{n}: not a chat record with 'messages' nor a continuation with 'prompt' and"
+                         f" 'completion' ({e})") from None
       out += [m["content"] for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
   return out
 
@@ -326,7 +333,9 @@ def answers_of(path: str) -> list[str]:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.sampling.draft_table", description=__doc__.split("\n\n")[0])
   p.add_argument("--checkpoint", required=True, help="the model whose tokenizer encodes the answers")
-  p.add_argument("--answers", required=True, help="comma-separated chat jsonl files (.gz too): their assistant turns")
+  p.add_argument("--answers", required=True,
+                 help="comma-separated jsonl files of `distill` (.gz too): chat records' assistant turns, code"
+                      " continuations' windows and continuations")
   p.add_argument("--out", required=True, help=f"the table's file (a model folder's {FILE_NAME} is loaded with it)")
   p.add_argument("--order", type=int, default=ORDER, help="the longest context kept, in tokens")
   p.add_argument("--min-context", type=int, default=MIN_CONTEXT, help="the shortest context that answers")
