@@ -330,12 +330,28 @@ def answers_of(path: str) -> list[str]:
   return out
 
 
+def _weights(spec: str, files: int) -> list[int]:
+  """--weights: one whole number >= 1 for each of `files` files (empty: 1 each)."""
+  if not spec.strip():
+    return [1] * files
+  try:
+    weights = [int(w) for w in spec.split(",")]
+  except ValueError:
+    raise ValueError(f"--weights must be comma-separated whole numbers, got {spec!r}") from None
+  if len(weights) != files or min(weights) < 1:
+    raise ValueError(f"--weights needs a number >= 1 for each of the {files} --answers files, got {spec!r}")
+  return weights
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m mdlm_jax.sampling.draft_table", description=__doc__.split("\n\n")[0])
   p.add_argument("--checkpoint", required=True, help="the model whose tokenizer encodes the answers")
   p.add_argument("--answers", required=True,
                  help="comma-separated jsonl files of `distill` (.gz too): chat records' assistant turns, code"
                       " continuations' windows and continuations")
+  p.add_argument("--weights", default="",
+                 help="comma-separated whole numbers, one for each --answers file: how many times its texts count"
+                      " (default: once each)")
   p.add_argument("--out", required=True, help=f"the table's file (a model folder's {FILE_NAME} is loaded with it)")
   p.add_argument("--order", type=int, default=ORDER, help="the longest context kept, in tokens")
   p.add_argument("--min-context", type=int, default=MIN_CONTEXT, help="the shortest context that answers")
@@ -343,14 +359,16 @@ def main(argv=None) -> None:
   from mdlm_jax import checkpoints, cli
   try:
     loaded = checkpoints.load(a.checkpoint)
-    texts = [t for path in a.answers.split(",") if path.strip() for t in answers_of(path.strip())]
+    paths = [path.strip() for path in a.answers.split(",") if path.strip()]
+    weights = _weights(a.weights, len(paths))
+    texts = [t for path, w in zip(paths, weights) for t in answers_of(path) * w]
     if not texts:
-      raise ValueError(f"no assistant turns in {a.answers}")
+      raise ValueError(f"no assistant turns or continuations in {a.answers}")
     table = build((loaded.tokenizer.encode(t) for t in texts), loaded.spec.cfg.vocab_size, a.order, a.min_context)
     save(table, a.out)
   except cli.USER_ERRORS as e:
     cli.fail("draft_table", e)
-  print(f"{a.out}: {table.entries} contexts of {a.min_context} to {table.order} tokens from {len(texts)} answers",
+  print(f"{a.out}: {table.entries} contexts of {a.min_context} to {table.order} tokens from {len(texts)} texts",
         file=sys.stderr)
 
 

@@ -245,3 +245,28 @@ def test_the_command_builds_a_table_from_chat_answers(tmp_path):
   (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
   with pytest.raises(ValueError, match="bad.jsonl:1: not a chat record"):
     draft_table.answers_of(str(tmp_path / "bad.jsonl"))
+
+
+def test_the_command_weighs_each_file_and_reads_code_continuations(tmp_path):
+  from mdlm_jax import checkpoints
+  loaded = checkpoints.load("mdlm_jax/assets/bd3_code_small")
+  vocab = loaded.spec.cfg.vocab_size
+  chat, code = tmp_path / "chat.jsonl", tmp_path / "code.jsonl"
+  chat.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                           {"role": "assistant", "content": "def f(x):\n    return x"}]}) + "\n")
+  code.write_text("".join(json.dumps({"prompt": "def f(x):\n", "completion": "    return y", "index": i}) + "\n"
+                          for i in range(2)))
+  a, b = (loaded.tokenizer.encode(t) for t in ("def f(x):\n    return x", "def f(x):\n    return y"))
+  for weights, want in (("", [a] + [b] * 2), ("3,1", [a] * 3 + [b] * 2)):
+    out = str(tmp_path / f"t{len(weights)}.npz")
+    draft_table.main(["--checkpoint=mdlm_jax/assets/bd3_code_small", f"--answers={chat},{code}", f"--out={out}",
+                      f"--weights={weights}"])
+    got, ref = draft_table.load(out, vocab), draft_table.build(want, vocab)
+    np.testing.assert_array_equal(got.follow, ref.follow)
+    np.testing.assert_array_equal(got.share, ref.share)
+  # the weights decide which follower the shared context keeps
+  assert not np.array_equal(draft_table.build([a] + [b] * 2, vocab).follow, draft_table.build([a] * 3 + [b] * 2, vocab).follow)
+  assert draft_table._weights("", 2) == [1, 1] and draft_table._weights("2,5", 2) == [2, 5]
+  for bad in ("1", "1,0", "a,b"):
+    with pytest.raises(ValueError, match="--weights"):
+      draft_table._weights(bad, 2)
