@@ -194,35 +194,51 @@ def test_logit_bias_moves_the_base_as_the_ar_sampler_moves_it(tiny_checkpoints):
 
 
 def _lookup_reference(text, known, end, n, width):
-  """The most recent earlier occurrence of text[end - n + 1 : end + 1], in plain Python."""
-  if n == 0 or end - n + 1 < 0 or not all(known[end - j] for j in range(n)):
+  """In plain Python: of the earlier positions p whose last tokens match at
+  least the last n before end, the one matching the most (up to
+  LOOKUP_SPAN), the latest among equals; what followed it."""
+  best = None
+  for p in range(end):
+    m = 0
+    while m < rule.LOOKUP_SPAN and p - m >= 0 and known[p - m] and known[end - m] and text[p - m] == text[end - m]:
+      m += 1
+    if n > 0 and m >= n and (best is None or m >= best[0]):
+      best = (m, p)
+  if best is None:
     return [], 0
-  suffix = list(text[end - n + 1:end + 1])
-  for p in range(end - 1, n - 2, -1):
-    if all(known[p - j] for j in range(n)) and list(text[p - n + 1:p + 1]) == suffix:
-      count = min(width, end - p)
-      return list(text[p + 1:p + 1 + count]), count
-  return [], 0
+  count = min(width, end - best[1])
+  return list(text[best[1] + 1:best[1] + 1 + count]), count
 
 
-def test_lookup_drafts_copy_what_followed_the_last_occurrence():
+def test_lookup_drafts_copy_what_followed_the_longest_match():
   rng = np.random.default_rng()
   b, length, width = 64, 40, 3
-  text = rng.integers(0, 4, (b, length))  # a small vocabulary: suffixes recur
+  text = rng.integers(0, 3, (b, length))  # a small vocabulary: suffixes recur, at several lengths
   known = np.ones((b, length), bool)
   for i, pad in enumerate(rng.integers(0, 10, b)):
     known[i, :pad] = False  # left padding
-    text[i, :pad] = rng.integers(0, 4, pad)  # which must never match
+    text[i, :pad] = rng.integers(0, 3, pad)  # which must never match
   end = rng.integers(0, length, b)
   n = rng.integers(0, rule.MAX_LOOKUP + 1, b)
   drafts, count = rule.lookup_drafts(jnp.asarray(text), jnp.asarray(known), jnp.asarray(end), jnp.asarray(n), width)
-  found = 0
+  found = longer = 0
   for i in range(b):
     want, c = _lookup_reference(text[i], known[i], end[i], n[i], width)
     assert int(count[i]) == c, i
     np.testing.assert_array_equal(np.asarray(drafts[i, :c]), want)
     found += c > 0
-  assert 0 < found < b
+    latest, _ = _lookup_reference_latest(text[i], known[i], end[i], n[i], width)
+    longer += c > 0 and latest != want
+  assert 0 < found < b and longer > 0  # some rows' longest match is not their latest
+
+
+def _lookup_reference_latest(text, known, end, n, width):
+  """The most recent earlier occurrence of the last n tokens alone."""
+  for p in range(end - 1, n - 2, -1):
+    if n > 0 and all(known[p - j] and known[end - j] and text[p - j] == text[end - j] for j in range(n)):
+      count = min(width, end - p)
+      return list(text[p + 1:p + 1 + count]), count
+  return [], 0
 
 
 def test_a_next_head_takes_the_copied_drafts_where_they_are_more():
