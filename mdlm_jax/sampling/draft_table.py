@@ -13,14 +13,20 @@ base's: the table sets only the speed.
 
     python -m mdlm_jax.sampling.draft_table --checkpoint=DIR --answers=a.jsonl[,b.jsonl] --out=DIR/draft_table.npz
 
-On the device the table is a trie of contexts read backwards: nodes 0 to
-vocab - 1 are the one-token contexts (the last token), and a node's children,
-a contiguous range sorted by token, extend its context by the token before
-it. A lookup walks down from the last token, one binary search of fixed
-depth a level, and keeps the follower of the deepest node that has one: a
-chain of drafts is a few gathers per token. Contexts whose follower is their
-parent's, with nothing below them, are left out (they would answer the
-same).
+The table is a trie of contexts read backwards: nodes 0 to vocab - 1 are the
+one-token contexts (the last token), and a node's children, a contiguous
+range sorted by token, extend its context by the token before it. Contexts
+whose follower is their parent's, with nothing below them, are left out (they
+would answer the same), so a kept node's parent is kept too.
+
+On the device a lookup does not walk the trie: a binary search a level is a
+chain of dependent gathers, each a separate operation (on XLA:CPU about 250
+of them a six-column pass, a millisecond). Instead every node below the
+tokens' level sits in a hash bucket of its whole context, so the candidates
+of every level are gathered at once from the query's hashes, and a node
+matches when its token and its parent are the query's (by induction up the
+levels the match is exact, whatever collides). The follower of the deepest
+matching node with one answers.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ FILE_NAME = "draft_table.npz"  # beside a model's weights: loading picks it up
 ORDER = 4  # the longest context a built table keeps, in tokens
 MIN_CONTEXT = 1  # the shortest context that answers: a weak guess still beats an empty column, which is as costly
 SHARE_STEPS = 16  # a follower's share of its context's occurrences is kept in these steps
+NODES_PER_BUCKET = 2  # the hash index's mean load: buckets are the power of two that keeps it at most this
+_SEED, _MUL, _FINAL = 0x2545F491, 0x9E3779B1, 0x85EBCA77  # the context hash (uint32 arithmetic, wrapping)
 
 
 @struct.dataclass
@@ -49,13 +57,13 @@ class DraftTable:
   key: Int[Array, "n"]  # each node's token: the one its context adds before its parent's
   follow: Int[Array, "n"]  # the token that most often followed the node's context (-1: none kept)
   share: Int[Array, "n"]  # how often it did, in SHARE_STEPS-ths of the context's occurrences
+  parent: Int[Array, "n"]  # each node's parent (-1 on the tokens' level)
+  bucket_start: Int[Array, "nb1"]  # the nodes hashed to bucket h are bucket_node[bucket_start[h]:bucket_start[h + 1]]
+  bucket_node: Int[Array, "m"]  # nodes below the tokens' level by bucket, then `probe` padding entries
   vocab_size: int = struct.field(pytree_node=False)
-  depths: tuple[int, ...] = struct.field(pytree_node=False)  # binary-search steps into levels 2, 3, ...
-
-  @property
-  def order(self) -> int:
-    """The longest context the table knows, in tokens."""
-    return len(self.depths) + 1
+  order: int = struct.field(pytree_node=False)  # the longest context the table knows, in tokens
+  bucket_bits: int = struct.field(pytree_node=False)  # log2 of the number of buckets
+  probe: int = struct.field(pytree_node=False)  # the fullest bucket's nodes: how many a lookup reads a level
 
   @property
   def entries(self) -> int:
@@ -76,27 +84,30 @@ class DraftTable:
     """`next_token`, and the chance that token follows: its share of the
     context's occurrences in the answers the table was built from."""
     v, n = self.vocab_size, int(self.key.shape[0])
-    last = context[:, -1]
-    alive = known[:, -1] & (last >= 0) & (last < v)
-    node = jnp.clip(last, 0, v - 1)
-    best = jnp.where(alive, self.follow[node], -1)
+    b, k = context.shape
+    levels = min(self.order, k)
+    back = context[:, ::-1][:, :levels]  # the last token first
+    usable = known[:, ::-1][:, :levels] & (back >= 0) & (back < v)
+    usable = jnp.cumsum(~usable, axis=1) == 0  # a context stops at its first unusable token, counting back
+    node = jnp.clip(back[:, 0], 0, v - 1)
+    best = jnp.where(usable[:, 0], self.follow[node], -1)
     share = self.share[node]
-    for level, depth in enumerate(self.depths[:context.shape[1] - 1], start=2):
-      token = context[:, -level]
-      lo, end = self.children[node], self.children[node + 1]
-      hi = end
-      for _ in range(depth):  # the first child whose token is >= token
-        mid = (lo + hi) // 2
-        open_ = lo < hi
-        right = self.key[jnp.minimum(mid, n - 1)] < token
-        lo = jnp.where(open_ & right, mid + 1, lo)
-        hi = jnp.where(open_ & ~right, mid, hi)
-      at = jnp.minimum(lo, n - 1)
-      alive = alive & known[:, -level] & (lo < end) & (self.key[at] == token)
-      node = jnp.where(alive, at, node)
-      deeper = alive & (self.follow[at] >= 0)
-      best = jnp.where(deeper, self.follow[at], best)
-      share = jnp.where(deeper, self.share[at], share)
+    if levels > 1:
+      raw = _rolling_hash(jnp.clip(back, 0, v - 1).astype(jnp.uint32), jnp)  # [b, levels]
+      start = self.bucket_start[_bucket(raw[:, 1:], self.bucket_bits, jnp).astype(jnp.int32)]
+      cand = self.bucket_node[jnp.minimum(start[..., None] + jnp.arange(self.probe), self.bucket_node.shape[0] - 1)]
+      cand_key, cand_parent = self.key[cand], self.parent[cand]  # [b, levels - 1, probe]
+      alive = usable[:, 0]
+      for level in range(2, levels + 1):
+        i = level - 2
+        hit = (cand_key[:, i] == back[:, level - 1, None]) & (cand_parent[:, i] == node[:, None])
+        at = jnp.max(jnp.where(hit, cand[:, i], -1), axis=1)
+        alive = alive & usable[:, level - 1] & (at >= 0)
+        at = jnp.clip(at, 0, n - 1)
+        node = jnp.where(alive, at, node)
+        deeper = alive & (self.follow[at] >= 0)
+        best = jnp.where(deeper, self.follow[at], best)
+        share = jnp.where(deeper, self.share[at], share)
     return best >= 0, jnp.maximum(best, 0), jnp.where(best >= 0, share, 0).astype(jnp.float32) / SHARE_STEPS
 
   def extend(self, context: Int[Array, "b k"], context_known: Bool[Array, "b k"], ahead: Int[Array, "b h"],
@@ -141,6 +152,25 @@ def context_before(table: DraftTable, text: Int[Array, "b l"], known: Bool[Array
   inside = at >= 0
   at = jnp.clip(at, 0, text.shape[1] - 1)
   return jnp.take_along_axis(text, at, 1), inside & jnp.take_along_axis(known, at, 1)
+
+
+def _rolling_hash(back, xp):
+  """[..., j]: the raw hash of the context of the last j + 1 tokens, `back`
+  (uint32, the last token first); numpy and jax.numpy alike, so that the
+  index built on the host is the one the device reads."""
+  h, out = xp.uint32(_SEED), []
+  for j in range(back.shape[-1]):
+    h = (h ^ back[..., j]) * xp.uint32(_MUL)
+    out.append(h)
+  return xp.stack(out, axis=-1)
+
+
+def _bucket(raw, bits: int, xp):
+  """The bucket of a raw context hash: its mixed top `bits` bits."""
+  h = raw ^ (raw >> xp.uint32(16))
+  h = h * xp.uint32(_FINAL)
+  h = h ^ (h >> xp.uint32(13))
+  return h >> xp.uint32(32 - bits) if bits else xp.zeros_like(h)
 
 
 def _most_frequent(ids: np.ndarray, follower: np.ndarray, n: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -238,8 +268,9 @@ def _assemble(levels: list, vocab_size: int) -> DraftTable:
   return _table(children, key, follow, share, vocab_size, len(levels))
 
 
-def _table(children, key, follow, share, vocab_size: int, order: int) -> DraftTable:
-  """Checked arrays as a device table; each level's search depth covers its widest range."""
+def _table(children, key, follow, share, vocab_size: int, order: int,
+           nodes_per_bucket: float = NODES_PER_BUCKET) -> DraftTable:
+  """Checked arrays as a device table, with the hash index of its contexts."""
   children, key, follow, share = (np.asarray(x, np.int64).reshape(-1) for x in (children, key, follow, share))
   n = len(key)
   if (len(children) != n + 1 or follow.shape != key.shape or share.shape != key.shape or not 1 <= vocab_size <= n
@@ -248,14 +279,31 @@ def _table(children, key, follow, share, vocab_size: int, order: int) -> DraftTa
           or np.any(share < 0) or np.any(share > SHARE_STEPS)):
     raise ValueError(f"not a draft table over {vocab_size} tokens: its children do not index its {n} nodes"
                      " or its tokens or shares are out of range")
-  starts = [0]
-  for _ in range(order):  # a level's nodes are the children of the level before
-    starts.append(int(children[starts[-1]]) if starts[-1] < n else n)
-  widths = np.diff(children)
-  depths = tuple(int(widths[a:b].max(initial=0)).bit_length() for a, b in zip(starts[:-2], starts[1:-1]))
-  return DraftTable(children=jnp.asarray(children.astype(np.int32)), key=jnp.asarray(key.astype(np.int32)),
-                    follow=jnp.asarray(follow.astype(np.int32)), share=jnp.asarray(share.astype(np.int32)),
-                    vocab_size=vocab_size, depths=depths)
+  parent = np.searchsorted(children, np.arange(n), side="right") - 1  # children[p] <= node < children[p + 1]
+  parent[:vocab_size] = -1
+  level = np.ones(n, np.int64)
+  raw = np.zeros(n, np.uint32)
+  raw[:vocab_size] = _rolling_hash(np.arange(vocab_size, dtype=np.uint32)[:, None], np)[:, 0]
+  done = vocab_size
+  while done < n:  # a level's nodes are the children of the level before, so parents come first
+    upto = int(children[done])
+    if upto <= done or level[parent[done]] + 1 > order:
+      raise ValueError(f"not a draft table over {vocab_size} tokens: its trie is deeper than its order {order}")
+    span = slice(done, upto)
+    level[span] = level[parent[span]] + 1
+    raw[span] = (raw[parent[span]] ^ key[span].astype(np.uint32)) * np.uint32(_MUL)
+    done = upto
+  below = n - vocab_size
+  bits = max(0, int(np.ceil(np.log2(max(below / nodes_per_bucket, 1)))))
+  bucket = _bucket(raw[vocab_size:], bits, np).astype(np.int64)
+  by_bucket = vocab_size + np.argsort(bucket, kind="stable")
+  bucket_start = np.searchsorted(np.sort(bucket), np.arange((1 << bits) + 1))
+  probe = int(np.diff(bucket_start).max(initial=0)) if below else 0
+  bucket_node = np.concatenate([by_bucket, np.zeros(max(probe, 1), np.int64)])  # padding: node 0 never matches
+  i32 = lambda x: jnp.asarray(np.asarray(x).astype(np.int32))  # noqa: E731
+  return DraftTable(children=i32(children), key=i32(key), follow=i32(follow), share=i32(share), parent=i32(parent),
+                    bucket_start=i32(bucket_start), bucket_node=i32(bucket_node), vocab_size=vocab_size,
+                    order=order, bucket_bits=bits, probe=max(probe, 1))
 
 
 def save(table: DraftTable, path: str) -> None:

@@ -103,7 +103,7 @@ def test_contexts_that_answer_as_their_shorter_suffix_are_left_out():
 def test_a_wide_vocabulary_finds_contexts_in_long_ranges():
   rng = np.random.default_rng()
   vocab = 5000
-  # One last token preceded by many tokens: the binary search's depth is exercised.
+  # One last token preceded by many tokens: one parent with hundreds of children.
   seqs = [[int(a), 3, int(c)] for a, c in zip(rng.integers(0, vocab, 600), rng.integers(0, vocab, 600))]
   table, ref = draft_table.build(seqs, vocab, 2, 2), _reference(seqs, 2, 2)
   probe = list(ref[2]) + [(int(x), 3) for x in rng.integers(0, vocab, 200)] + [(1, 4), (0, vocab - 1)]
@@ -112,6 +112,26 @@ def test_a_wide_vocabulary_finds_contexts_in_long_ranges():
     assert bool(found[i]) == (pair in ref[2])
     if pair in ref[2]:
       assert int(follow[i]) == ref[2][pair]
+
+
+@pytest.mark.parametrize("nodes_per_bucket", [1e9, 0.25])
+def test_lookups_are_exact_however_the_contexts_hash(nodes_per_bucket):
+  # Every context in one bucket (each lookup reads them all and must tell them
+  # apart by token and parent), and buckets four times the contexts.
+  rng = np.random.default_rng()
+  vocab, order = 5, 4
+  seqs = _random_seqs(rng, vocab, 60)
+  built, ref = draft_table.build(seqs, vocab, order, 1), _reference(seqs, order, 1)
+  table = draft_table._table(built.children, built.key, built.follow, built.share, vocab, order, nodes_per_bucket)
+  below = int(table.key.shape[0]) - vocab
+  assert table.probe == (below if nodes_per_bucket > below else table.probe) and table.probe >= 1
+  context, known = _probe(rng, vocab, 500, order + 1)
+  found, follow = table.next_token(jnp.asarray(context), jnp.asarray(known))
+  for r in range(len(context)):
+    want = _answer(ref, [int(t) for t, k in zip(context[r], known[r]) if k])
+    assert bool(found[r]) == (want is not None), r
+    if want is not None:
+      assert int(follow[r]) == want, r
 
 
 def _extended(ref, context, known, ahead, n, floor=0.0):
@@ -185,7 +205,7 @@ def test_saved_tables_load_and_bad_ones_are_named(tmp_path):
   back = draft_table.load(path, vocab_size=9)
   for name in ("children", "key", "follow", "share"):
     np.testing.assert_array_equal(getattr(back, name), getattr(table, name))
-  assert (back.depths, back.vocab_size) == (table.depths, table.vocab_size)
+  assert (back.order, back.vocab_size, back.probe) == (table.order, table.vocab_size, table.probe)
   with pytest.raises(ValueError, match="vocabulary of 9 tokens; the model has 10"):
     draft_table.load(path, vocab_size=10)
   bad = dict(np.load(path))
