@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from mdlm_jax import kernels
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.precision import PARAM_DTYPE, STATS_DTYPE
-from mdlm_jax.model.rope import RopeScaling, rope
+from mdlm_jax.model.rope import RopeScaling, Rotation, rope
 from mdlm_jax.parallel.sharding import constrain
 
 
@@ -242,7 +242,7 @@ class Attention(nnx.Module):
     return tuple(_add_bias(p, bias).reshape(*shape, n, k) for p, bias, n in zip(parts, (self.bq, self.bk, self.bv),
                                                                                    (h, g, g)))
 
-  def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], *, causal: bool,
+  def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"] | Rotation, *, causal: bool,
               mask: Bool[Array, "b #h l s"] | kernels.AttentionMask | None = None, cache: KVCache | None = None,
               layer: int = 0, noisy: Bool[Array, "b l"] | None = None,
               narrow: Narrow | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:

@@ -22,7 +22,7 @@ from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.model.layers import (MLP, WEIGHT_LAYOUTS, Attention, Keys, Modulation, Narrow, RMSNorm, TimeEmbedding,
                                    fan_in_init, param)
 from mdlm_jax.model.precision import compute_dtype
-from mdlm_jax.model.rope import RopeScaling
+from mdlm_jax.model.rope import RopeScaling, Rotation, rotation
 from mdlm_jax.parallel.sharding import constrain
 
 
@@ -115,7 +115,8 @@ class Block(nnx.Module):
   def __call__(self, x, positions, cond, *, causal: bool, mask=None, noisy=None):
     return self.forward(x, positions, cond, causal=causal, mask=mask, noisy=noisy)[0]
 
-  def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"], cond: Float[Array, "b c"] | None, *,
+  def forward(self, x: Float[Array, "b l d"], positions: Int[Array, "b l"] | Rotation,
+              cond: Float[Array, "b c"] | None, *,
               causal: bool, mask: Bool[Array, "b #h l s"] | AttentionMask | None = None, cache: KVCache | None = None,
               layer: int = 0, noisy: Bool[Array, "b l"] | None = None,
               narrow: Narrow | None = None) -> tuple[Float[Array, "b l d"], KVCache | None]:
@@ -175,6 +176,8 @@ class Transformer(nnx.Module):
       if t is None:
         raise ValueError("this model is time-conditioned: pass t")
       cond = jax.nn.silu(self.time_embedding(t))
+
+    positions = rotation(positions, cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_scaling)  # once, every layer's
 
     def run_block(block, x):
       return block(x, positions, cond, causal=causal, mask=mask, noisy=noisy)

@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mdlm_jax import config as config_lib
 from mdlm_jax.checkpoints.interop import hf_rope_scaling
-from mdlm_jax.model.rope import RopeScaling, rope
+from mdlm_jax.model import ModelConfig, Transformer
+from mdlm_jax.model.rope import RopeScaling, rope, rotation
 
 THETA, DIM = 10000.0, 64
 
@@ -110,6 +112,27 @@ def test_rotation_applies_the_frequencies_and_attention_factor():
   got = np.asarray(jax.jit(lambda x, p: rope(x, p, THETA, s))(jnp.asarray(x, jnp.float32), jnp.asarray(pos)))
   np.testing.assert_allclose(got, np_rotate(x, pos, yarn_inv(4.0, 1024), 0.1 * math.log(4.0) + 1), rtol=2e-3,
                              atol=2e-3)
+
+
+def test_a_rotation_made_once_turns_heads_as_positions_do():
+  rng = np.random.default_rng()
+  s = RopeScaling(type="yarn", factor=4.0, max_position=1024)
+  x = jnp.asarray(rng.normal(size=(2, 6, 3, DIM)), jnp.float32)
+  pos = jnp.asarray(rng.integers(0, 4096, size=(2, 6)))
+  rot = rotation(pos, DIM, THETA, s)
+  np.testing.assert_allclose(np.asarray(rope(x, rot, THETA, s)), np_rotate(np.asarray(x, np.float64), np.asarray(pos),
+                             yarn_inv(4.0, 1024), 0.1 * math.log(4.0) + 1), rtol=2e-3, atol=2e-3)
+  with pytest.raises(ValueError, match="heads of 32"):
+    rope(x[..., :32], rot, THETA, s)
+
+
+def test_a_forward_pass_computes_its_sines_once_for_every_layer():
+  # XLA fuses an elementwise producer into each consumer: without the
+  # rotation's barrier every layer's q and k rotation holds sines of its own.
+  cfg = ModelConfig(vocab_size=37, num_layers=3, embed_dim=32, num_heads=4, mlp_dim=64, causal=True)
+  graph, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  hlo = jax.jit(lambda st, t: nnx.merge(graph, st)(t)).lower(state, jnp.zeros((1, 8), jnp.int32)).compile().as_text()
+  assert hlo.count(" sine(") == 1 and hlo.count(" cosine(") == 1
 
 
 def test_hugging_face_configs():
