@@ -153,21 +153,27 @@ void QuantizeRowsA8(const float* x, int64_t m, int64_t k, int64_t kg, int8_t* xq
       int32_t sum = 0;
       int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+      // One reduction a group for the maximum and one for the sum (a pair
+      // per 16 columns cost a third of this function's time, measured).
       __m512 v[kGroup / 16];
+      __m512 vmax = _mm512_setzero_ps();
       for (int h = 0; h < kGroup / 16; ++h) {
         const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * h));
         const __mmask16 mask = left == 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
         v[h] = _mm512_maskz_loadu_ps(mask, row + c0 + 16 * h);
-        amax = std::fmax(amax, _mm512_reduce_max_ps(_mm512_abs_ps(v[h])));
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v[h]));
       }
+      amax = _mm512_reduce_max_ps(vmax);
       const float scale = amax > 0.f ? amax / kInt8Max : 1.f;
       const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-kInt8Max), hi = _mm512_set1_ps(kInt8Max);
+      __m512i vsum = _mm512_setzero_si512();
       for (int h = 0; h < kGroup / 16; ++h) {
         __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[h], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
-        sum += _mm512_reduce_add_epi32(qi);
+        vsum = _mm512_add_epi32(vsum, qi);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), _mm512_cvtepi32_epi8(qi));
       }
+      sum = _mm512_reduce_add_epi32(vsum);
       i = kGroup;
 #else
       for (int64_t c = 0; c < len; ++c) amax = std::fmax(amax, std::fabs(row[c0 + c]));
