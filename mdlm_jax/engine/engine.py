@@ -57,6 +57,14 @@ from mdlm_jax.sampling.samplers import RULES, ConfidenceSampler
 PASSES_PER_TURN = 4
 
 
+def _heads_first(sampler) -> bool:
+  """Whether a request's first head is proposed at admission (`slots.admit`'s
+  `first`): it revises with copies and the table and without the model's
+  drafts, as the one-shot generator's first head is."""
+  return bool(getattr(sampler, "revises", False) and getattr(sampler, "lookup", 0)
+              and not getattr(sampler, "model_drafts", True))
+
+
 class Engine:
   """Serves a block-diffusion (or MDLM) checkpoint from `num_slots` slots.
 
@@ -261,7 +269,7 @@ class Engine:
                               np.full((k, bucket), self.tok.pad_id, np.int32),
                               np.broadcast_to(np.arange(bucket, dtype=np.int32), (k, bucket)), ones, ones, ones,
                               rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32),
-                              np.ones((k,), bool), resume=resume)
+                              np.ones((k,), bool), np.zeros((k,), bool), self.draft_table, resume=resume)
           self._deactivate(range(k))
       cfg = self.loaded.spec.cfg
       # An adapted AR model revises at its default effort: its first request would compile that pass.
@@ -724,7 +732,7 @@ class Engine:
                           ints(len(rows_of[i][0]) for i in group), ints(len(r.prompt_ids) for r in requests),
                           ints(-(-r.max_tokens // self.sc.block_size) for r in requests), decoding,
                           np.stack([turn.admits[i][2] for i in group]), np.asarray([last[i] for i in group]),
-                          resume=resume)
+                          np.asarray([_heads_first(r.sampler) for r in requests]), self.draft_table, resume=resume)
     if turn.rows:
       self._run_pass(turn.rows, turn.with_head, turn.guided, turn.logprobs, turn.guides, turn.revising, turn.passes,
                      turn.head_only)

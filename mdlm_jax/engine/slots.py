@@ -33,6 +33,7 @@ from mdlm_jax import kernels
 from mdlm_jax.engine import packing as packing_lib
 from mdlm_jax.model.spec import ModelSpec, bind
 from mdlm_jax.model.kv_cache import KVCache
+from mdlm_jax.model.precision import compute_dtype
 from mdlm_jax.sampling import draft_table, grammar, rule
 from mdlm_jax.sampling.samplers import check_pass_widths
 
@@ -156,7 +157,8 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
 def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array, "k"], fixed: Int[Array, "k p"],
           positions: Int[Array, "k p"], n_fixed: Int[Array, "k"], gen_position: Int[Array, "k"],
           n_blocks: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array,
-          last: Bool[Array, "k"] | None = None, resume: bool = False) -> Slots:
+          last: Bool[Array, "k"] | None = None, first: Bool[Array, "k"] | None = None, table=None,
+          resume: bool = False) -> Slots:
   """Resets slots `rows` and encodes each `fixed[i, :n_fixed[i]]` (the prompt,
   after the suffix when infilling) at `positions[i]` into its cache row, all
   in one forward: on a CPU a prefill's fixed cost outweighs its tokens' until
@@ -170,7 +172,13 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
   each. With `resume` (static) the pieces are appended to what the rows'
   caches already hold (each reads the earlier pieces and itself); a row
   starts decoding only after its `last` piece (until then passes leave it
-  alone). By default every row is a whole prompt."""
+  alone). By default every row is a whole prompt.
+
+  `first` marks revising rows whose passes carry heads alone (copies and
+  the table draft, `model_drafts` off): after their last piece the base's
+  first token is proposed from the prompt's last state here, and their first
+  head carries it with copied and `table` drafts, as the one-shot generator's
+  first head does. Other revising rows start from an empty head."""
   model = bind(spec, params)
   c = slots.cache
   k, p = fixed.shape
@@ -209,7 +217,7 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
             else jnp.full((k, w), -1, jnp.int32))
   appended = jnp.concatenate([before, jnp.where(valid_new, fixed, -1)], 1)
   context = jax.vmap(lambda row, n: lax.dynamic_slice_in_dim(row, n, w))(appended, n_fixed)
-  return slots.replace(
+  admitted = slots.replace(
       context=put(slots.context, context),
       cache=cache, gen=put(slots.gen, sc.mask_id), prompt_len=put(slots.prompt_len, gen_position),
       # A revising row always carries a head (its first, empty): it rides every pass that has them.
@@ -219,6 +227,33 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
       decoding=jax.tree.map(put, slots.decoding, decoding), key=put(slots.key, key_data),
       passes=put(slots.passes, passes), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
       proposed=put(slots.proposed, False))
+  if first is None or not spec.cfg.shift_logits:
+    return admitted
+  return _first_heads(sc, model, admitted, rows, first & last, new.last_hidden, decoding, key_data, table)
+
+
+def _first_heads(sc: SlotConfig, model, s: Slots, rows, first, last_hidden, decoding: rule.Decoding, key_data,
+                 table) -> Slots:
+  """Slots `rows` marked `first` start from the base's first token (the
+  request's proposal from the prompt's last state, with its logit moves and
+  its first column's noise) and copied and table drafts after it."""
+  k = rows.shape[0]
+
+  def proposed():
+    logits = model.logits(last_hidden[:, None].astype(compute_dtype(model.cfg.dtype)))  # as a pass reads it
+    moves = rule.penalty(jnp.zeros((k, logits.shape[-1]), jnp.float32), decoding.presence_penalty,
+                         decoding.frequency_penalty, decoding.bias_ids, decoding.bias)
+    x0, _ = rule.propose(logits.astype(jnp.float32) + moves[:, None, :], rule.pass_keys(key_data, 0, 0),
+                         jnp.zeros((k, 1), jnp.int32), sc.never_proposed, decoding.temperature, decoding.top_p)
+    return x0[:, 0]
+
+  token = lax.cond(jnp.any(first), proposed, lambda: jnp.zeros((k,), jnp.int32))
+  mark = jnp.zeros(s.n_ahead.shape, bool).at[rows].set(first, mode="drop")
+  ahead = s.ahead.at[rows, 0].set(token, mode="drop")
+  n_ahead = jnp.where(mark, 0, s.n_ahead)
+  zero = jnp.zeros_like(s.n_ahead)
+  v = _with_lookup(sc, s, rule.Verified(keep=zero, ended=zero > 0, ahead=ahead, n_ahead=n_ahead), s.filled, table)
+  return s.replace(ahead=jnp.where(mark[:, None], v.ahead, s.ahead), n_ahead=jnp.where(mark, v.n_ahead, s.n_ahead))
 
 
 def cancel(slots: Slots, row) -> Slots:

@@ -425,13 +425,38 @@ class ThresholdSampler(ConfidenceSampler):
     cache = denoise.new_cache(B, gs + gl + hw + bs, per_row=True)
     drafts, n_drafts = _record(jnp.zeros((gl + 2 if record else 1, B, L), jnp.int32), 0, tokens, record, emit)
     positions = denoise.positions
-    # The prompt is encoded and the first tokens drafted in one pass, as cached block decoding does.
-    logits, cache = denoise.cached(tokens[:, :gs + bs], positions[:, :gs + bs], cache, True, valid[:, :gs + bs],
-                                   gs, bs)
-    x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
-    ahead, n_ahead = widen(x0), rule.offer(conf, self.threshold)
     pos0 = positions[:, gs]  # the first generated column's RoPE position
     table = getattr(denoise, "draft_table", None)
+
+    def drafted(v: rule.Verified, toks, filled) -> rule.Verified:
+      """`v`'s next head with copied drafts, then the table's chain (`lookup`)."""
+      end = gs + filled  # the text so far and the base's next token after it
+      text = toks.at[rows[:, 0], end].set(v.ahead[:, 0], mode="drop")
+      col = jnp.arange(L)[None]
+      known = jnp.where(col < gs, valid, col <= end[:, None])
+      end = jnp.minimum(end, L - 1)
+      v = rule.with_lookup(v, *rule.lookup_drafts(text, known, end, self.lookup, hw - 1))
+      if table is not None:  # then the model's table of its own answers goes on from them
+        context = draft_table.context_before(table, text, known, end)
+        v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(*context, v.ahead, v.n_ahead, self.table_floor))))
+      return v
+
+    zero = jnp.zeros((B,), jnp.int32)
+    if self.lookup and not self.model_drafts:
+      # Heads alone: the prompt's pass proposes the base's first token (one
+      # masked column after the prompt, scored by its last token), and the
+      # first head already carries copied and table drafts after it.
+      logits, cache = denoise.cached(tokens[:, :gs + 1], positions[:, :gs + 1], cache, True, valid[:, :gs + 1],
+                                     gs, 1)
+      x0, _ = self._propose(logits, pass_keys, lane[:, :1], lay, tokens, valid)
+      first = drafted(rule.Verified(keep=zero, ended=zero > 0, ahead=widen(x0), n_ahead=zero), tokens, zero)
+      ahead, n_ahead = first.ahead, first.n_ahead
+    else:
+      # The prompt is encoded and the first tokens drafted in one pass, as cached block decoding does.
+      logits, cache = denoise.cached(tokens[:, :gs + bs], positions[:, :gs + bs], cache, True, valid[:, :gs + bs],
+                                     gs, bs)
+      x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
+      ahead, n_ahead = widen(x0), rule.offer(conf, self.threshold)
 
     def cond(s):
       return ~jnp.all(s["done"]) & (s["it"] < gl)
@@ -461,22 +486,14 @@ class ThresholdSampler(ConfidenceSampler):
       toks = s["tokens"].at[rows, cols].set(jnp.where(kept, head, s["tokens"][rows, jnp.minimum(cols, L - 1)]),
                                             mode="drop")
       filled = f + v.keep
-      if self.lookup:  # the text so far and the base's next token after it
-        end = gs + filled
-        text = toks.at[rows[:, 0], end].set(v.ahead[:, 0], mode="drop")
-        col = jnp.arange(L)[None]
-        known = jnp.where(col < gs, valid, col <= end[:, None])
-        v = rule.with_lookup(v, *rule.lookup_drafts(text, known, jnp.minimum(end, L - 1), self.lookup, hw - 1))
-        if table is not None:  # then the model's table of its own answers goes on from them
-          context = draft_table.context_before(table, text, known, jnp.minimum(end, L - 1))
-          v = v.replace(**dict(zip(("ahead", "n_ahead"), table.extend(*context, v.ahead, v.n_ahead,
-                                                                      self.table_floor))))
+      if self.lookup:
+        v = drafted(v, toks, filled)
       rec, n = _record(s["drafts"], s["n_drafts"], toks, record, emit)
       return {"tokens": toks, "cache": pending.commit(v.keep), "filled": filled, "ahead": v.ahead,
               "n_ahead": v.n_ahead, "done": s["done"] | v.ended | (filled >= gl), "drafts": rec, "n_drafts": n,
               "it": s["it"] + 1}
 
-    init = {"tokens": tokens, "cache": cache, "filled": jnp.zeros((B,), jnp.int32), "ahead": ahead,
+    init = {"tokens": tokens, "cache": cache, "filled": zero, "ahead": ahead,
             "n_ahead": n_ahead, "done": jnp.zeros((B,), bool), "drafts": drafts,
             "n_drafts": jnp.asarray(n_drafts, jnp.int32), "it": jnp.zeros((), jnp.int32)}
     out = jax.lax.while_loop(cond, body, init)

@@ -129,6 +129,18 @@ def test_a_wide_head_beside_a_block_request_takes_the_generators_passes(models, 
   assert got_b.text == Generator(adapted).generate([PROMPTS[1]], max_new_tokens=n, sampler=block).completions[0].text
 
 
+def test_a_biased_revising_request_starts_as_the_generator_does(models, engine):
+  """Heads alone propose the base's first token at admission: with a logit bias that moves it, the engine's text
+  and passes are still the generator's."""
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, lookup=1, model_drafts=False)
+  plain = Generator(models[1]).generate([PROMPTS[0]], max_new_tokens=12, sampler=sampler).completions[0]
+  biased = dataclasses.replace(sampler, logit_bias=((plain.tokens[0], -100.0),))
+  got = engine.submit(Request(engine.encode(PROMPTS[0]), 12, biased, seed=0)).result(timeout=300)
+  want = Generator(models[1]).generate([PROMPTS[0]], max_new_tokens=12, sampler=biased)
+  assert got.text == want.completions[0].text and want.completions[0].tokens[0] != plain.tokens[0]
+  assert got.passes == want.forward_passes
+
+
 def test_a_request_with_agreement_decodes_as_the_generator(models, engine):
   """Lossy verification (drafts the base rates near its best are kept too) in the slots, as one-shot."""
   sampler = engine.sampler_for("medium", revise=True, temperature=0.0, agreement=0.4)

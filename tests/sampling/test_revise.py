@@ -46,6 +46,8 @@ class Oracle:
   def speculative(self, toks, pos, cache, head_valid):
     h = head_valid.shape[1]
     cols = pos - self.gs
+    if cols.shape[1] == h:  # heads alone: the base's next token follows the last valid head column
+      cols = jnp.concatenate([cols, cols[:, :1] + jnp.sum(head_valid, axis=1, keepdims=True)], 1)
     logits = jnp.concatenate([self._one_hot(cols[:, :h + 1], False), self._one_hot(cols[:, h + 1:], True)], 1)
 
     class Pending:
@@ -324,6 +326,23 @@ def test_an_adapted_model_with_a_table_of_its_bases_text_writes_that_text_in_few
   for w, g, o in zip(want.completions, got.completions, off.completions):
     assert g.tokens == w.tokens == o.tokens
   assert got.forward_passes < off.forward_passes
+
+
+@pytest.mark.parametrize("model_drafts, passes", [
+    (True, 5),  # the prompt's pass with the masked block; t0 alone (no drafts offered); t1-4; t5-8; t9-11
+    (False, 4),  # the prompt's pass proposes t0 and the table chains from (2, t0) at once: t0-3; t4-7; t8-11
+])
+def test_heads_alone_start_with_copied_and_table_drafts(model_drafts, passes):
+  text = _distinct_pairs_text(np.random.default_rng(), 12)
+  gs = 2
+  tokens = jnp.concatenate([jnp.array([[1, 2]]), jnp.full((1, len(text)), MASK)], 1)
+  lay = Layout(gen_start=gs, gen_len=len(text), mask_id=MASK, eos_id=EOS)
+  oracle = Oracle(text, range(20), gs)  # the model's own drafts are never offered (threshold 1)
+  oracle.draft_table = draft_table.build([[1, 2] + text.tolist()], V, order=2, min_context=2)
+  sampler = revising(4, 1.0, lookup=2, model_drafts=model_drafts)
+  out = sampler.run(oracle, tokens, jnp.ones_like(tokens, bool), jnp.zeros((1, 2), jnp.uint32), lay)
+  np.testing.assert_array_equal(np.asarray(out["tokens"][0, gs:]), text)
+  assert int(out["nfe"]) == passes
 
 
 @pytest.mark.parametrize("floor, passes", [
