@@ -16,19 +16,23 @@ def _reference_argmax(logits, words, temperature):
   return np.argmax(np.asarray(logits, np.float64) / temperature - np.log(-np.log(u)), axis=-1)
 
 
+@pytest.mark.parametrize("width", [1000, 4 * gumbel.SEARCH_BLOCK])  # searched whole, and by blocks
 @pytest.mark.parametrize("nan_first", [False, True])
 @pytest.mark.parametrize("way", [argmax, gumbel._max_then_search, gumbel._pairwise_argmax])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_argmax_is_numpys_first_index(dtype, way, nan_first):
+def test_argmax_is_numpys_first_index(dtype, way, nan_first, width):
   """Ties (values drawn from a few levels) go to the first index, as do
   -inf rows and NaN (numpy's argmax takes the first NaN, here after maxima),
   both ways `argmax` may take and whichever it takes (a row that starts with
-  NaN sends it the second way)."""
+  NaN sends it the second way). By blocks: a NaN in a later block than the
+  maximum's, and a maximum tied across blocks."""
   rng = np.random.default_rng()
-  x = rng.integers(-3, 4, size=(3, 5, 1000)).astype(dtype)
+  half = width // 2
+  x = rng.integers(-3, 4, size=(3, 5, width)).astype(dtype)
   x[0, 1] = -np.inf
-  x[1, 2, 500 + rng.integers(500, size=3)] = np.nan
-  x[1, 2, rng.integers(500)] = 9
+  x[1, 2, half + rng.integers(half, size=3)] = np.nan
+  x[1, 2, rng.integers(half)] = 9
+  x[2, 1, [width - 1, half + 1]] = 9
   if nan_first:
     x[2, 3, 0] = np.nan
   with jax.enable_x64(dtype == np.float64):
