@@ -247,13 +247,16 @@ def _first_heads(sc: SlotConfig, model, s: Slots, rows, first, last_hidden, deco
                          jnp.zeros((k, 1), jnp.int32), sc.never_proposed, decoding.temperature, decoding.top_p)
     return x0[:, 0]
 
-  token = lax.cond(jnp.any(first), proposed, lambda: jnp.zeros((k,), jnp.int32))
-  mark = jnp.zeros(s.n_ahead.shape, bool).at[rows].set(first, mode="drop")
-  ahead = s.ahead.at[rows, 0].set(token, mode="drop")
-  n_ahead = jnp.where(mark, 0, s.n_ahead)
-  zero = jnp.zeros_like(s.n_ahead)
-  v = _with_lookup(sc, s, rule.Verified(keep=zero, ended=zero > 0, ahead=ahead, n_ahead=n_ahead), s.filled, table)
-  return s.replace(ahead=jnp.where(mark[:, None], v.ahead, s.ahead), n_ahead=jnp.where(mark, v.n_ahead, s.n_ahead))
+  def started():
+    mark = jnp.zeros(s.n_ahead.shape, bool).at[rows].set(first, mode="drop")
+    ahead = s.ahead.at[rows, 0].set(proposed(), mode="drop")
+    n_ahead = jnp.where(mark, 0, s.n_ahead)
+    zero = jnp.zeros_like(s.n_ahead)
+    v = _with_lookup(sc, s, rule.Verified(keep=zero, ended=zero > 0, ahead=ahead, n_ahead=n_ahead), s.filled, table)
+    return jnp.where(mark[:, None], v.ahead, s.ahead), jnp.where(mark, v.n_ahead, s.n_ahead)
+
+  ahead, n_ahead = lax.cond(jnp.any(first), started, lambda: (s.ahead, s.n_ahead))
+  return s.replace(ahead=ahead, n_ahead=n_ahead)
 
 
 def cancel(slots: Slots, row) -> Slots:
