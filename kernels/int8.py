@@ -357,7 +357,7 @@ def native_kernel_ready() -> bool:
 
 
 def products_use_amx() -> bool:
-  """Whether the built kernel's 8-bit products of four token rows or more run
+  """Whether the built kernel's 8-bit products of eight token rows or more run
   on Intel AMX's tile multiplies (the same bits as its VNNI path)."""
   return native_kernel_ready() and bool(_state.get("uses_amx"))
 

@@ -131,10 +131,13 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t kp, int16_t* xq,
 // Columns of a token row that share one 8-bit scale ("w8a8"); a multiple of 16.
 constexpr int64_t kGroup = 32;
 constexpr float kInt8Max = 127.f;
-// From this many token rows the 8-bit products run on AMX where it can (at
-// one or two rows the tile set-up and the sums' round trip through memory cost
-// more than vpdpbusd saves; at four the two are even, at eight AMX is ahead).
-constexpr int kAmxMinRows = 4;
+// From this many token rows the 8-bit products run on AMX where it can. Below
+// it vpdpbusd's products hide under the weights' reads, while each group's tile
+// set-up, multiply and round trip of the sums through memory do not: at six
+// rows (a revising pass) SmolLM2's layer products took 1.88 ms on VNNI and
+// 2.3-2.8 on AMX outside XLA, 6.5 against 6.9 ms a pass in a profiled
+// generation. At eight rows AMX is ahead (docs/weight-layouts.md).
+constexpr int kAmxMinRows = 8;
 
 // Rounds each of the m rows of x [m, k] to int8 with a scale per group of
 // kGroup columns, into rows of kg columns (zeros past k): xs [m, kg / kGroup]
@@ -710,7 +713,7 @@ ffi::Error Product(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32
 
 }  // namespace
 
-// Whether the 8-bit products of four token rows or more run on AMX: built for
+// Whether the 8-bit products of eight token rows or more run on AMX: built for
 // it (`-march=native` on a CPU with AMX-INT8) and granted it by the kernel.
 extern "C" int Int8ProductsUseAmx() {
   return AmxServes() ? 1 : 0;

@@ -417,7 +417,7 @@ def test_the_kernel_refuses_a_layer_outside_its_stack():
 
 @BUILDS_GROUP
 def test_the_8_bit_products_on_amx_are_the_same_bits_as_on_vnni(kernels_built_with):
-  """From four token rows the native build's 8-bit products run on AMX where
+  """From eight token rows the native build's 8-bit products run on AMX where
   the CPU and the OS allow it (`products_use_amx`): the same integer sums of
   each group and the same float32 operations after them as the build without
   AMX, so the same bits, with and without adapters, at every row count (on
