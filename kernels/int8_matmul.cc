@@ -82,11 +82,21 @@ constexpr int64_t kPairChunk = 256;
 // bytes on. SmolLM2's 8-bit products at eight token rows went from 10.7 to
 // 8.0 ms, at one row from 6.1 to 4.9 (any distance from 1 to 8 KB alike).
 constexpr int64_t kPrefetchAhead = 2048;
+// The 8-bit products of several token rows (a revising pass's six) ask 8 KB
+// ahead, and their group's eight column quads are unrolled: GCC otherwise
+// copies every accumulator in and out of spare registers each quad (24 moves
+// beside 12 vpdpbusd at six rows), and the loop stalled on the weights' loads.
+// Interleaved in one process (two builds, SmolLM2's generation on 8 held-out
+// code prompts, eight rounds): a six-row pass 9.05 -> 8.34 ms, while the
+// one-row AR step went 4.13 -> 4.38 ms with them, so one row keeps 2 KB and
+// its loop.
+constexpr int64_t kPrefetchAheadRows = 8192;
 
-// Asks for the `lines` cache lines kPrefetchAhead bytes past `at` (a prefetch
-// past the end of an array does not fault).
+// Asks for the `lines` cache lines `ahead` bytes past `at` (a prefetch past
+// the end of an array does not fault).
+template <int64_t ahead = kPrefetchAhead>
 inline void Prefetch(const void* at, int lines) {
-  const char* p = static_cast<const char*>(at) + kPrefetchAhead;
+  const char* p = static_cast<const char*>(at) + ahead;
   for (int l = 0; l < lines; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
 }
 
@@ -209,9 +219,9 @@ inline void TileTimesRowsA8(const int8_t* xq, int64_t kg, const float* xs, const
   for (int64_t g = 0; g < groups; ++g) {
     __m512i acc[M][2];
     for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_set1_epi32(xoff[r * groups + g]);
-    for (int64_t i = g * kQuads; i < (g + 1) * kQuads; ++i) {
+    auto quad_step = [&](int64_t i) {
       const uint8_t* wi = w + i * 4 * kTile;
-      Prefetch(wi, 2);
+      Prefetch<M == 1 ? kPrefetchAhead : kPrefetchAheadRows>(wi, 2);
       const __m512i w0 = _mm512_loadu_si512(wi);
       const __m512i w1 = _mm512_loadu_si512(wi + 64);
       for (int r = 0; r < M; ++r) {
@@ -221,6 +231,12 @@ inline void TileTimesRowsA8(const int8_t* xq, int64_t kg, const float* xs, const
         acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
         acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
       }
+    };
+    if constexpr (M == 1) {
+      for (int64_t i = g * kQuads; i < (g + 1) * kQuads; ++i) quad_step(i);
+    } else {
+#pragma GCC unroll 8
+      for (int64_t i = g * kQuads; i < (g + 1) * kQuads; ++i) quad_step(i);
     }
     for (int r = 0; r < M; ++r) {
       const __m512 sx = _mm512_set1_ps(xs[r * groups + g]);
