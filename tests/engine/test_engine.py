@@ -31,7 +31,8 @@ def loaded(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def engine(loaded):
-  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).start()
+  # Ahead, as on an accelerator: the tests below check its published-late passes too.
+  e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8, run_ahead=True).start()
   yield e
   e.close(deadline_s=1)
 
@@ -355,6 +356,9 @@ def test_passes_published_a_pass_late_reuse_slots_cleanly(loaded, engine):
     done = h.result(timeout=120)
     assert (done.text, done.finish_reason) == (want.text, want.finish_reason)
   assert engine.stats["steps_run_ahead"] > before
+  # By default only an accelerator's passes run ahead: on CPU the host's work takes their cores.
+  assert Engine(loaded, num_slots=1, max_prompt=32, max_new_tokens=8, block_size=8).run_ahead == (
+      jax.default_backend() != "cpu")
 
 
 @pytest.mark.slow
