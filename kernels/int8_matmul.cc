@@ -87,9 +87,9 @@ constexpr int64_t kPrefetchAhead = 2048;
 // copies every accumulator in and out of spare registers each quad (24 moves
 // beside 12 vpdpbusd at six rows), and the loop stalled on the weights' loads.
 // Interleaved in one process (two builds, SmolLM2's generation on 8 held-out
-// code prompts, eight rounds): a six-row pass 9.05 -> 8.34 ms, while the
-// one-row AR step went 4.13 -> 4.38 ms with them, so one row keeps 2 KB and
-// its loop.
+// code prompts, eight rounds): at every row count they made the one-row AR
+// step slower (4.13 -> 4.38 ms), so one row keeps 2 KB and its loop; so built,
+// a six-row pass went 9.30 -> 8.21 ms beside the step's 4.48 -> 4.41.
 constexpr int64_t kPrefetchAheadRows = 8192;
 
 // Asks for the `lines` cache lines `ahead` bytes past `at` (a prefetch past

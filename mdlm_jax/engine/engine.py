@@ -65,7 +65,6 @@ def _heads_first(sampler) -> bool:
               and not getattr(sampler, "model_drafts", True))
 
 
-
 def run_ahead_pays() -> bool:
   """Whether an engine dispatches a pass before publishing the last by
   default. On an accelerator the host's work hides behind the device's. On
@@ -75,6 +74,7 @@ def run_ahead_pays() -> bool:
   rounds, the same 1,077 passes) took 12.4 ms a pass ahead against 11.3
   published first (docs/serving.md)."""
   return jax.default_backend() != "cpu"
+
 
 class Engine:
   """Serves a block-diffusion (or MDLM) checkpoint from `num_slots` slots.
