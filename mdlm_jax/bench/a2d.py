@@ -2,15 +2,20 @@
 
   python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--revise-thresholds 0.3]
       [--agreements 1,0.5] [--lookups 0,2] [--limit N]
-      [--code-prompts 8] [--json] [--out F.json] [--png F.png]
+      [--code-prompts 8] [--chat-paths generator,engine] [--json] [--out F.json] [--png F.png]
 
 Every figure of the adapted model (default: the packaged one) is set beside
 its base (the checkpoint's `base`, decoded by our own KV-cached AR path) on
-the same prompts, on this machine, at batch 1, the base timed before and
-after the adapted model and its faster run kept:
+the same prompts, on this machine, at batch 1, interleaved: each prompt is
+answered by the base and by every setting in turn (the order rotated from
+prompt to prompt), each answer timed alone, so that a slow spell of the
+machine falls on every side alike:
 - HumanEval through the chat template (`bench humaneval --modes=chat`): the
-  functions that pass, answer tokens per forward pass and per second, and the
-  pass count as a fraction of the base's;
+  functions that pass, answer tokens per forward pass and per second, the
+  pass count as a fraction of the base's, and the share of answers that are
+  the base's own text; each setting through the one-shot generator (the
+  same kind of jitted loop as the base's) and through the serving engine
+  with one slot (its row named "... (engine)"), as --chat-paths says;
 - held-out code completions (the held-out files of --corpus, default the
   standard library, as `bench sample` cuts them): tokens per pass and per second, the share
   that parses, and the base's perplexity of the completions (gen-PPL);
@@ -85,11 +90,17 @@ def parse(argv):
                  help="weights both models decode from: float32; int8 (weight-only, a scale per output row);"
                       " w8a8 (the same, token rows rounded to 8 bits); auto (what serve and sample pick:"
                       " w8a8 on one CPU where the int8 kernels build, else float32)")
+  p.add_argument("--chat-paths", default="generator,engine",
+                 help="comma-separated, of generator (the one-shot jitted loop, as the base's) and engine (the"
+                      " serving engine, one slot): each setting's HumanEval chat answers through each")
   p.add_argument("--passes-per-turn", type=int, default=PASSES_PER_TURN,
                  help="the engine's revising passes a launch while nothing else needs the host (1: a launch a pass)")
   add_output_flags(p, png="", png_help="a speed-quality plot of the efforts, with and without revision")
   a = p.parse_args(argv)
   a.efforts = [e.strip() for e in a.efforts.split(",") if e.strip()]
+  a.chat_paths = list(dict.fromkeys(x.strip() for x in a.chat_paths.split(",") if x.strip()))
+  if not a.chat_paths or any(x not in ("generator", "engine") for x in a.chat_paths):
+    p.error(f"--chat-paths must be a comma-separated subset of generator,engine, got {a.chat_paths!r}")
   try:
     a.revise_thresholds = [float(x) for x in a.revise_thresholds.split(",") if x.strip()]
   except ValueError:
@@ -155,17 +166,6 @@ def base_of(path: str, adapted) -> str:
   return base
 
 
-def humaneval_chat(backend, tasks, answer_tokens: int) -> dict:
-  from mdlm_jax.bench import humaneval
-  r = humaneval.run_mode(backend, tasks, "chat", samples=1, max_tokens=answer_tokens, ks=[1], jobs=2,
-                         timeout_s=5.0, memory_mb=1024)
-  keep = ("pass@1", "tasks", "tokens_per_pass", "tokens_per_s", "answer_tokens", "forward_passes", "generation_s")
-  row = {**{k: r[k] for k in keep}, "passed": len(r["passed"])}
-  if hasattr(backend, "engine"):  # the engine's host work between passes, as a share of its pass turns
-    row["host_share"] = backend.engine.host_share()
-  return row
-
-
 def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32") -> dict:
   """Each setting's mean pass (its generation time over its passes, host
   work and prefills included) beside the memory-bandwidth bound of the bytes
@@ -207,22 +207,47 @@ def decoding_weight_bytes(model, decode_dtype: str = "float32") -> int:
   return bound.weight_bytes(params, cfg)
 
 
-def faster_run(result: dict, part: str, first: dict, second: dict) -> dict:
-  """The base's row of `part`: the faster of its two runs, one before the
-  adapted model's and one after (its step moved 8.0 to 11.2 ms between runs
-  of one sitting while the adapted model's pass held within 4%), so a slow
-  spell of the machine does not flatter the adapted model. Both speeds are
-  kept under result["base_runs"][part]."""
-  result.setdefault("base_runs", {})[part] = [first["tokens_per_s"], second["tokens_per_s"]]
-  print(f"base, {part}: {first['tokens_per_s']:.1f} then {second['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-  return max((first, second), key=lambda r: r["tokens_per_s"])
+ENGINE = " (engine)"  # the row of a setting served by the engine
 
 
-def code_completions(gen, prompts, new_tokens: int, sampler, scorer) -> dict:
-  from mdlm_jax.bench.sample import run_setting
-  r = run_setting(gen, prompts, 1, new_tokens, sampler, scorer)
-  keep = ("tokens_per_forward", "tokens_per_s", "gen_ppl", "parse_rate")
-  return {k: r[k] for k in keep if k in r}
+def interleaved_completions(sides: dict, prompts, new_tokens: int, scorer) -> dict:
+  """Held-out code completions from each side, {name: (generator, sampler,
+  draft table or None)}: every prompt's from each side in turn (the order
+  rotated from prompt to prompt), each timed alone, after an untimed one of
+  each compiles its canvas. Tokens per pass and per second, the share that
+  parses, and the completions' perplexity under `scorer` (gen-PPL)."""
+  from mdlm_jax.bench.common import rotation
+  from mdlm_jax.bench.sample import parses
+  names = list(sides)
+  acc = {n: {"tokens": 0, "passes": 0, "seconds": 0.0, "parsed": 0, "nll": 0.0, "scored": 0} for n in names}
+
+  def complete(name, prompt):
+    gen, sampler, table = sides[name]
+    if hasattr(gen, "draft_table"):
+      gen.draft_table = table
+    return gen.generate([prompt], max_new_tokens=new_tokens, sampler=sampler)
+
+  for name in names:
+    for p in prompts:
+      complete(name, p)
+  for i, p in enumerate(prompts):
+    for name in rotation(names, i):
+      r, row = complete(name, p), acc[name]
+      c = r.completions[0]
+      row["seconds"] += r.seconds
+      row["tokens"] += len(c.tokens)
+      row["passes"] += r.forward_passes
+      row["parsed"] += parses(p + c.text)
+      if c.tokens:
+        nll, count = scorer(sides[name][0].encode_prompt(p), c.tokens)
+        row["nll"], row["scored"] = row["nll"] + nll, row["scored"] + count
+  out = {n: {"tokens_per_forward": r["tokens"] / max(r["passes"], 1),
+             "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9),
+             "gen_ppl": float(np.exp(r["nll"] / r["scored"])) if r["scored"] else float("nan"),
+             "parse_rate": r["parsed"] / max(len(prompts), 1)} for n, r in acc.items()}
+  for n in names[1:]:
+    out[n]["speed_vs_base"] = out[n]["tokens_per_s"] / max(out[names[0]]["tokens_per_s"], 1e-9)
+  return out
 
 
 def main(argv=None):
@@ -253,10 +278,10 @@ def main(argv=None):
   result = {"bench": "a2d", "checkpoint": path, "base": base_name, "problems": len(tasks),
             "decode_dtype": a.decode_dtype, "passes_per_turn": a.passes_per_turn,
             "humaneval_chat": {}, "code": {}}
-  print(f"base: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
   ar = humaneval.ARBackend(base, temperature=0.0, batch=1, decode_dtype=a.decode_dtype)
-  ar.warmup([t.request for t in tasks], max_tokens=a.answer_tokens)  # both sides timed without compilation
-  result["humaneval_chat"]["base"] = humaneval_chat(ar, tasks, a.answer_tokens)
+  requests = [t.request for t in tasks]
+  print(f"compiling: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
+  ar.warmup(requests, max_tokens=a.answer_tokens)  # every side timed without compilation
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
@@ -277,43 +302,57 @@ def main(argv=None):
                     **(narrowing(w == "on", h) if n else {}), **({"head_width": h} if n and h else {})}
                    for t in a.revise_thresholds for g in a.agreements for n in a.lookups for table in a.draft_tables
                    for m in a.model_drafts for w in a.narrow_passes for h in (a.head_widths or [None])})
-  for name, overrides in settings.items():
-    print(f"{name}: HumanEval chat", file=sys.stderr, flush=True)
-    backend = humaneval.EngineBackend(adapted, effort=_effort(name), temperature=0.0, slots=1,
-                                      max_new_tokens=a.answer_tokens, decode_dtype=a.decode_dtype,
-                                      draft_table="+table" in name, passes_per_turn=a.passes_per_turn, **overrides)
-    try:
-      result["humaneval_chat"][name] = humaneval_chat(backend, tasks, a.answer_tokens)
-    finally:
+  gen = Generator(adapted, decode_dtype=a.decode_dtype)  # one decoding copy for every setting
+  table = gen.draft_table
+
+  def sampler_of(name: str, overrides: dict):
+    return presets.for_model(_effort(name), adapted.config.diffusion.block_size,
+                             in_order=adapted.spec.cfg.clean_causal, temperature=0.0, **overrides)
+
+  backends = {"base": ar}
+  try:
+    for name, overrides in settings.items():
+      for path in a.chat_paths:
+        if path == "generator":
+          gen.draft_table = table if "+table" in name else None
+          backends[name] = humaneval.GeneratorBackend(gen, sampler_of(name, overrides)).warmup(
+              requests, max_tokens=a.answer_tokens)
+          gen.draft_table = table
+        else:
+          backends[name + ENGINE] = humaneval.EngineBackend(
+              adapted, effort=_effort(name), temperature=0.0, slots=1, max_new_tokens=a.answer_tokens,
+              decode_dtype=a.decode_dtype, draft_table="+table" in name, passes_per_turn=a.passes_per_turn, **overrides)
+    print(f"HumanEval chat: {', '.join(backends)}, interleaved", file=sys.stderr, flush=True)
+    he = humaneval.run_chat_interleaved(backends, tasks, max_tokens=a.answer_tokens, jobs=2, timeout_s=5.0,
+                                        memory_mb=1024)
+    for name, backend in backends.items():
+      if hasattr(backend, "engine"):  # the engine's host work between passes, as a share of its pass turns
+        he[name]["host_share"] = backend.engine.host_share()
+  finally:
+    for backend in backends.values():
       backend.close()
-  print("base again: HumanEval chat", file=sys.stderr, flush=True)
-  result["humaneval_chat"]["base"] = faster_run(result, "humaneval_chat", result["humaneval_chat"]["base"],
-                                                humaneval_chat(ar, tasks, a.answer_tokens))
-  result["bound"] = pass_bounds(result["humaneval_chat"], adapted, base, tasks, a.decode_dtype)
-  he = result["humaneval_chat"]
-  for effort in settings:
-    he[effort]["pass_vs_base"] = he[effort]["passed"] / max(he["base"]["passed"], 1)
-    he[effort]["speed_vs_base"] = he[effort]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
+  base_answers = he["base"]["answers"]
+  for name, row in he.items():
+    row["passed"] = len(row["passed"])
+    row["same_as_base"] = float(np.mean([x == y for x, y in zip(row.pop("answers"), base_answers)]))
+  result["humaneval_chat"] = he
+  result["bound"] = pass_bounds(he, adapted, base, tasks, a.decode_dtype)
+  for name in he:
+    if name != "base":
+      he[name]["pass_vs_base"] = he[name]["passed"] / max(he["base"]["passed"], 1)
+      he[name]["speed_vs_base"] = he[name]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
   if a.code_prompts:
     import dataclasses
     config = adapted.config.copy_and_resolve_references()
     config.data.update(corpus=a.corpus, kind="text")  # a chat stage's own corpus holds conversations
     held_out = dataclasses.replace(adapted, config=config)
     prompts = [p for p, _ in validation_examples(held_out, a.code_prompts, a.prompt_tokens, a.new_tokens)]
-    scorer = GenPPL(base)
-    base_gen = ARGenerator(base, decode_dtype=a.decode_dtype)
-    result["code"]["base"] = code_completions(base_gen, prompts, a.new_tokens, ARSampler(a.new_tokens, temperature=0.0),
-                                              scorer)
-    gen = Generator(adapted, decode_dtype=a.decode_dtype)
-    table = gen.draft_table
-    for name, overrides in settings.items():
-      gen.draft_table = table if "+table" in name else None
-      sampler = presets.for_model(_effort(name), adapted.config.diffusion.block_size,
-                                  in_order=adapted.spec.cfg.clean_causal, **overrides)
-      result["code"][name] = code_completions(gen, prompts, a.new_tokens, sampler, scorer)
-    result["code"]["base"] = faster_run(result, "code", result["code"]["base"],
-                                        code_completions(base_gen, prompts, a.new_tokens,
-                                                         ARSampler(a.new_tokens, temperature=0.0), scorer))
+    sides = {"base": (ARGenerator(base, decode_dtype=a.decode_dtype), ARSampler(a.new_tokens, temperature=0.0),
+                      None)}
+    sides.update({name: (gen, sampler_of(name, overrides), table if "+table" in name else None)
+                  for name, overrides in settings.items()})
+    print(f"held-out code: {len(prompts)} prompts, interleaved", file=sys.stderr, flush=True)
+    result["code"] = interleaved_completions(sides, prompts, a.new_tokens, GenPPL(base))
   finish(result, a, plot)
 
 

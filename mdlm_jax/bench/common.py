@@ -22,11 +22,20 @@ class Progress:
   def advance(self, n: int = 1) -> None:
     with self._lock:
       before, self.done = self.done, self.done + n
+      if self.total <= 1:  # one item: its end says nothing a caller's own progress does not
+        return
       if self.done // self.every == before // self.every and self.done < self.total:
         return
       rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
       eta = (self.total - self.done) / rate if rate > 0 else float("nan")
       print(f"{self.what}: {self.done}/{self.total}, {rate:.2f}/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+
+
+def rotation(names: list, i: int) -> list:
+  """`names` started at item i (mod their count): the order of round i of an
+  interleaved comparison, so that no side always runs first."""
+  k = i % len(names)
+  return names[k:] + names[:k]
 
 
 def add_output_flags(p: argparse.ArgumentParser, png: str | None = None, png_help: str = "plot") -> None:

@@ -47,7 +47,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from mdlm_jax.bench.common import Progress, add_output_flags, emit
+from mdlm_jax.bench.common import Progress, add_output_flags, emit, rotation
 
 STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 MODES = ("single-line", "multi-line", "random-span", "complete", "chat")
@@ -356,6 +356,48 @@ class ARBackend:
     pass
 
 
+class GeneratorBackend:
+  """A diffusion checkpoint through the one-shot generator
+  (`sampling.generate.Generator`), a request at a time: the same kind of
+  jitted loop as the base's ARBackend, where the engine adds its scheduling
+  between launches. Chat answers only."""
+
+  def __init__(self, gen, sampler):
+    """`gen`: a `Generator` (several backends may share one); `sampler`: what
+    it decodes with (`presets.for_model`)."""
+    self.gen, self.sampler = gen, sampler
+
+  def _render(self, requests):
+    from mdlm_jax.server import chat_template
+    return [chat_template.render([{"role": "user", "content": t}], self.gen.loaded.chat_template, self.gen.tok)
+            for t in requests]
+
+  def warmup(self, requests: Sequence[str], *, max_tokens: int) -> "GeneratorBackend":
+    """Compiles the program of every canvas `chat(requests)` will use (one
+    untimed answer per prompt bucket), so a timed run measures decoding alone."""
+    from mdlm_jax.sampling.canvas import bucket
+    by_width = {}
+    for p, stops, add_bos in self._render(requests):
+      by_width.setdefault(bucket(len(self.gen.encode_prompt(p, add_bos)), 16), (p, stops, add_bos))
+    for p, stops, add_bos in by_width.values():
+      self.gen.generate([p], max_new_tokens=max_tokens, sampler=self.sampler, stop=stops, add_bos=add_bos)
+    return self
+
+  def chat(self, requests: Sequence[str], *, max_tokens: int, seed: int) -> tuple[list[str], dict]:
+    """Answers through the checkpoint's chat template, and {tokens, passes}."""
+    out, stats = [], {"tokens": 0, "passes": 0}
+    for p, stops, add_bos in self._render(requests):
+      r = self.gen.generate([p], max_new_tokens=max_tokens, sampler=self.sampler, seed=seed, stop=stops,
+                            add_bos=add_bos)
+      out.append(r.completions[0].text)
+      stats["tokens"] += len(r.completions[0].tokens)
+      stats["passes"] += r.forward_passes
+    return out, stats
+
+  def close(self):
+    pass
+
+
 def _each(max_tokens, n: int) -> list[int]:
   """One max_tokens per request: a bound for all, or each its own."""
   if isinstance(max_tokens, int):
@@ -431,6 +473,37 @@ def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tok
       {"task_id": t.task_id, "answer": a[0], "canonical": t.answer} for t, a in list(zip(tasks, answers))[:3]],
       **answer_spread([a for row in answers for a in row]))
   return out
+
+
+def run_chat_interleaved(backends: dict, tasks: Sequence[Task], *, max_tokens: int, jobs: int, timeout_s: float,
+                         memory_mb: int) -> dict[str, dict]:
+  """Chat answers from several backends, as `run_mode` scores them, with each
+  task answered by every backend in turn (the order rotated from task to
+  task) and each answer timed alone. This machine's speed moves by up to 2x
+  within minutes: runs one after another put a slow spell on one side, where
+  interleaved answers spread it over all of them."""
+  names = list(backends)
+  texts = {n: [] for n in names}
+  seconds = dict.fromkeys(names, 0.0)
+  decoded = {n: {"tokens": 0, "passes": 0} for n in names}
+  progress = Progress("answers", len(tasks) * len(names))
+  for i, task in enumerate(tasks):
+    for n in rotation(names, i):
+      t0 = time.perf_counter()
+      out, stats = backends[n].chat([task.request], max_tokens=max_tokens, seed=0)
+      seconds[n] += time.perf_counter() - t0
+      texts[n].append(out[0])
+      decoded[n] = {k: decoded[n][k] + stats[k] for k in decoded[n]}
+      progress.advance()
+  rows = {}
+  for n in names:
+    answers = [[cut("chat", chat_code(t, text))] for t, text in zip(tasks, texts[n])]
+    out = score(tasks, answers, [1], jobs=jobs, timeout_s=timeout_s, memory_mb=memory_mb)
+    rows[n] = {**out, "answer_tokens": decoded[n]["tokens"], "forward_passes": decoded[n]["passes"],
+               "tokens_per_pass": decoded[n]["tokens"] / max(decoded[n]["passes"], 1),
+               "tokens_per_s": decoded[n]["tokens"] / max(seconds[n], 1e-9), "generation_s": seconds[n],
+               "answers": [a[0] for a in answers]}
+  return rows
 
 
 def answer_spread(answers: Sequence[str], top: int = 5) -> dict:

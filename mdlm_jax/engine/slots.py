@@ -353,16 +353,24 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
   logits = _move_logits(sc, s, logits)
   if guided:
     logits = jnp.concatenate([logits[:, :-bs], _allow_at_cursor(logits[:, -bs:], s, lo)], 1)
-  x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
+  if revising:
+    # Only the tail's confidence is read (its drafts' offers, the block rows'
+    # picks): the head's columns skip the vocabulary's normaliser. A pass of
+    # heads alone reads none (no drafts after the base's token, no block rows).
+    x0 = rule.choose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
+    conf = jnp.full(x0[:, hw:].shape, -1.0) if head_only else \
+        rule.confidence(logits[:, hw:], x0[:, hw:], sc.never_proposed)
+  else:
+    x0, conf = rule.propose(logits, keys, columns, sc.never_proposed, d.temperature, d.top_p)
   top = top_logprobs_of(logits, sc.never_proposed) if logprobs else None
   if revising:  # the blocks' proposals are the tail's; the revising rows' verifications, the head's
     kept_logp = None
     if logprobs:  # of the head's own tokens (a draw's is its proposal's only where nothing moved the logits)
       lsm = jax.nn.log_softmax(rule.exclude(logits[:, :hw], sc.never_proposed), axis=-1)
       kept_logp = jnp.take_along_axis(lsm, s.ahead[..., None], axis=-1)[..., 0]
-    odds = rule.draft_odds(logits[:, :hw], s.ahead, sc.never_proposed)
+    odds = rule.odds_where_asked(logits[:, :hw], s.ahead, sc.never_proposed, d.agreement)
     verifying = (x0[:, :hw], odds, kept_logp, None if top is None else tuple(x[:, :hw] for x in top))
-    x0, conf = x0[:, hw:], conf[:, hw:]
+    x0 = x0[:, hw:]
     if head_only:  # the base's next token and no drafts after it (conf -1: never offered)
       x0 = jnp.concatenate([x0, jnp.full((x0.shape[0], bs - 1), sc.mask_id, x0.dtype)], 1)
       conf = jnp.concatenate([conf, jnp.full((conf.shape[0], bs - 1), -1.0, conf.dtype)], 1)

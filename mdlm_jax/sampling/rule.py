@@ -183,6 +183,15 @@ def propose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperatur
                                             implementation=head.implementation)
       return x0, conf
     logits = head.logits()
+  x0 = choose(logits, keys, columns, never, temperature, top_p)
+  return x0, confidence(logits, x0, never)
+
+
+def choose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperature, top_p=1.0):
+  """`propose`'s x0 alone (materialised logits): where a caller reads the
+  confidence of a few columns only, it takes `confidence` of those, and the
+  vocabulary's normaliser is not summed for the rest."""
+  static = isinstance(temperature, (int, float)) and isinstance(top_p, (int, float))
   logits = exclude(logits, tuple(never))
   greedy = argmax(logits)
 
@@ -197,13 +206,16 @@ def propose(logits, keys: jax.Array, columns, never: tuple[int, ...], temperatur
     return jnp.where((temp > 0)[:, None], x, greedy)
 
   if static:
-    x0 = sampled() if temperature > 0 else greedy
-  else:
-    x0 = lax.cond(jnp.any(jnp.asarray(temperature) > 0), sampled, lambda: greedy)
-  # p(x0) from the log-normaliser alone: no [B, T, V] log-softmax is written.
+    return sampled() if temperature > 0 else greedy
+  return lax.cond(jnp.any(jnp.asarray(temperature) > 0), sampled, lambda: greedy)
+
+
+def confidence(logits, x0, never: tuple[int, ...]):
+  """p(x0) [B, T] under the logits at temperature 1, `never` excluded, from
+  the log-normaliser alone: no [B, T, V] log-softmax is written."""
+  logits = exclude(logits, tuple(never))
   at = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]
-  conf = jnp.exp(at - jax.nn.logsumexp(logits, axis=-1))
-  return x0, conf
+  return jnp.exp(at - jax.nn.logsumexp(logits, axis=-1))
 
 
 def rank_desc(scores):
@@ -268,6 +280,19 @@ def draft_odds(logits: Float[Array, "b t v"], head: Int[Array, "b t"], never: tu
   logits = exclude(logits, tuple(never))
   at = jnp.take_along_axis(logits, head[..., None], axis=-1)[..., 0]
   return (at - jnp.max(logits, axis=-1)).astype(jnp.float32)
+
+
+def odds_where_asked(logits: Float[Array, "b t v"], head: Int[Array, "b t"], never: tuple[int, ...],
+                     agreement) -> Float[Array, "b t"]:
+  """`draft_odds` where some row's `agreement` ([B]) is below 1, else zeros:
+  `verify` reads the odds only there. On CPU a conditional skips the pass
+  over the head's logits (about 0.15 ms of a revising pass); an
+  accelerator would read its predicate on the host every pass, so there the
+  odds are always computed."""
+  if jax.default_backend() != "cpu":
+    return draft_odds(logits, head, never)
+  return lax.cond(jnp.any(jnp.asarray(agreement) < 1.0), lambda: draft_odds(logits, head, never),
+                  lambda: jnp.zeros(head.shape, jnp.float32))
 
 
 def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, "b t"], tail: Int[Array, "b t"],
@@ -416,5 +441,6 @@ def check_moves(*, presence_penalty: float = 0.0, frequency_penalty: float = 0.0
 
 
 __all__ = ["Decoding", "MAX_LOGIT_BIAS", "NEVER", "allow", "bias_arrays", "bias_pairs", "check", "check_moves",
-           "commit", "draft_odds", "floor", "noise_words", "offer", "pass_keys", "penalize", "penalty", "picks",
-           "propose", "rank_desc", "row_keys", "token_counts", "verify", "Verified"]
+           "choose", "commit", "confidence", "draft_odds", "floor", "noise_words", "odds_where_asked", "offer",
+           "pass_keys", "penalize", "penalty", "picks", "propose", "rank_desc", "row_keys", "token_counts", "verify",
+           "Verified"]

@@ -476,9 +476,10 @@ class ThresholdSampler(ConfidenceSampler):
                                               head_lane <= n_ok[:, None])
       columns = jnp.concatenate([f[:, None] + head_lane, (f + n_ok + 1)[:, None] + tail_lane], 1)
       logits = self._moved(logits, lay, s["tokens"], valid)
-      x0, conf = rule.propose(logits, pass_keys, columns, lay.never_proposed, self.temperature, self.top_p)
+      x0 = rule.choose(logits, pass_keys, columns, lay.never_proposed, self.temperature, self.top_p)
+      conf = rule.confidence(logits[:, hw:], x0[:, hw:], lay.never_proposed)  # the tail's alone are read
       odds = rule.draft_odds(logits[:, :hw], head, lay.never_proposed) if self.agreement < 1.0 else None
-      v = rule.verify(head, n_ok, x0[:, :hw], x0[:, hw:], conf[:, hw:], self.threshold, lay.eos_id,
+      v = rule.verify(head, n_ok, x0[:, :hw], x0[:, hw:], conf, self.threshold, lay.eos_id,
                       jnp.where(s["done"], 0, gl - f), odds, self.agreement)
       v = v.replace(ahead=widen(v.ahead))
       cols = gs + f[:, None] + head_lane

@@ -36,30 +36,53 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   res = json.loads(capsys.readouterr().out)
   he = res["humaneval_chat"]
   revising = ("0.3+revise", "0.3+revise+lookup2", "0.3+revise+lookup2+table")
-  assert set(he) == {"base", "medium", *revising} and set(res["code"]) == set(he)
+  settings = {"medium", *revising}
+  assert set(he) == {"base", *settings, *(n + a2d.ENGINE for n in settings)}
+  assert set(res["code"]) == {"base", *settings}
   assert he["base"]["tasks"] == he["medium"]["tasks"] == 2
   assert he["base"]["tokens_per_pass"] == 1.0 and he["medium"]["tokens_per_pass"] > 0.5  # (+1 pass: the last block)
   assert he["medium"]["speed_vs_base"] > 0
-  # Revision writes the base's greedy text, whatever drafts it, so its answers pass exactly where the base's do.
-  for name in revising:
+  # Revision writes the base's greedy text, whatever drafts it, through either path: its answers are the base's.
+  for name in revising + tuple(n + a2d.ENGINE for n in revising):
     assert he[name]["passed"] == he["base"]["passed"] and he[name]["answer_tokens"] == he["base"]["answer_tokens"]
+    assert he[name]["same_as_base"] == 1.0
+  # The generator and the engine decode one request alike.
+  assert he["medium"]["answer_tokens"] == he["medium" + a2d.ENGINE]["answer_tokens"]
   assert os.path.getsize(res["png"]) > 0
-  assert 0 <= res["code"]["medium"]["parse_rate"] <= 1
+  assert 0 <= res["code"]["medium"]["parse_rate"] <= 1 and res["code"]["medium"]["speed_vs_base"] > 0
   b = res["bound"]
-  for name in ("base", "medium", "0.3+revise"):
+  for name in ("base", "medium", "0.3+revise", "0.3+revise" + a2d.ENGINE):
     assert b[name]["pass_s"] == pytest.approx(he[name]["generation_s"] / he[name]["forward_passes"])
     assert 0 < b[name]["fraction_of_bound"] and b[name]["bytes_per_pass"] > b[name]["weight_bytes"] > 0
-  assert 0 <= he["medium"]["host_share"] < 1 and "host_share" not in he["base"]
-  for part in ("humaneval_chat", "code"):  # the base timed before and after, its faster run kept
-    assert len(res["base_runs"][part]) == 2 and res[part]["base"]["tokens_per_s"] == max(res["base_runs"][part])
+  assert 0 <= he["medium" + a2d.ENGINE]["host_share"] < 1
+  assert "host_share" not in he["base"] and "host_share" not in he["medium"]
 
 
-def test_the_base_row_is_its_faster_run_and_both_are_kept():
-  result = {}
-  first, second = {"tokens_per_s": 90.0, "passed": 1}, {"tokens_per_s": 120.0, "passed": 1}
-  assert a2d.faster_run(result, "humaneval_chat", first, second) is second
-  assert a2d.faster_run(result, "code", second, first) is second
-  assert result["base_runs"] == {"humaneval_chat": [90.0, 120.0], "code": [120.0, 90.0]}
+class _Timed:
+  """A chat backend that records the order it answers in and takes `delay` s an answer."""
+
+  def __init__(self, name, log, delay):
+    self.name, self.log, self.delay = name, log, delay
+
+  def chat(self, requests, *, max_tokens, seed):
+    import time
+    self.log.append(self.name)
+    time.sleep(self.delay)
+    return [f"```python\ndef f():\n  return {len(self.log)}\n```"], {"tokens": 4, "passes": 2}
+
+
+def test_interleaved_chat_rotates_the_order_and_times_each_side_alone():
+  from mdlm_jax.bench import humaneval
+  tasks = [humaneval.Task(f"t/{i}", "", "", "", "assert f() > 0\n", request="r", prompt="def f():\n", entry_point="f")
+           for i in range(3)]
+  log = []
+  sides = {"a": _Timed("a", log, 0.0), "b": _Timed("b", log, 0.05), "c": _Timed("c", log, 0.0)}
+  rows = humaneval.run_chat_interleaved(sides, tasks, max_tokens=8, jobs=1, timeout_s=5.0, memory_mb=1024)
+  assert log == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+  assert rows["b"]["generation_s"] >= 0.15 > rows["a"]["generation_s"]
+  assert rows["a"]["tokens_per_pass"] == 2.0 and rows["a"]["answer_tokens"] == 12
+  assert rows["c"]["tokens_per_s"] > rows["b"]["tokens_per_s"]
+  assert all(len(r["passed"]) == 3 and r["pass@1"] == 1.0 and len(r["answers"]) == 3 for r in rows.values())
 
 
 def test_bad_agreements_are_refused(capsys):
@@ -75,6 +98,15 @@ def test_revision_alone_is_a_setting_and_nothing_at_all_is_refused(capsys):
   with pytest.raises(SystemExit):
     a2d.parse(["--efforts=", "--revise-thresholds="])
   assert "nothing to measure" in capsys.readouterr().err
+
+
+def test_chat_paths_are_the_generator_or_the_engine(capsys):
+  assert a2d.parse([]).chat_paths == ["generator", "engine"]
+  assert a2d.parse(["--chat-paths=engine"]).chat_paths == ["engine"]
+  for bad in ("server", ""):
+    with pytest.raises(SystemExit):
+      a2d.parse([f"--chat-paths={bad}"])
+    assert "--chat-paths" in capsys.readouterr().err
 
 
 def test_draft_tables_are_on_or_off(capsys):
