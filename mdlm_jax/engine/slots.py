@@ -368,7 +368,7 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
     if logprobs:  # of the head's own tokens (a draw's is its proposal's only where nothing moved the logits)
       lsm = jax.nn.log_softmax(rule.exclude(logits[:, :hw], sc.never_proposed), axis=-1)
       kept_logp = jnp.take_along_axis(lsm, s.ahead[..., None], axis=-1)[..., 0]
-    odds = rule.odds_where_asked(logits[:, :hw], s.ahead, sc.never_proposed, d.agreement)
+    odds = rule.odds_where_asked(logits, s.ahead, sc.never_proposed, d.agreement)
     verifying = (x0[:, :hw], odds, kept_logp, None if top is None else tuple(x[:, :hw] for x in top))
     x0 = x0[:, hw:]
     if head_only:  # the base's next token and no drafts after it (conf -1: never offered)

@@ -282,17 +282,19 @@ def draft_odds(logits: Float[Array, "b t v"], head: Int[Array, "b t"], never: tu
   return (at - jnp.max(logits, axis=-1)).astype(jnp.float32)
 
 
-def odds_where_asked(logits: Float[Array, "b t v"], head: Int[Array, "b t"], never: tuple[int, ...],
+def odds_where_asked(logits: Float[Array, "b n v"], head: Int[Array, "b t"], never: tuple[int, ...],
                      agreement) -> Float[Array, "b t"]:
-  """`draft_odds` where some row's `agreement` ([B]) is below 1, else zeros:
+  """`draft_odds` of the head's columns, the first `head.shape[1]` of
+  `logits`, where some row's `agreement` ([B]) is below 1, else zeros:
   `verify` reads the odds only there. On CPU a conditional skips the pass
-  over the head's logits (about 0.15 ms of a revising pass); an
+  over the head's logits (about 0.15 ms of a revising pass; the whole
+  logits go in, since a slice handed to a conditional is copied); an
   accelerator would read its predicate on the host every pass, so there the
   odds are always computed."""
+  odds = lambda: draft_odds(logits[:, :head.shape[1]], head, never)  # noqa: E731
   if jax.default_backend() != "cpu":
-    return draft_odds(logits, head, never)
-  return lax.cond(jnp.any(jnp.asarray(agreement) < 1.0), lambda: draft_odds(logits, head, never),
-                  lambda: jnp.zeros(head.shape, jnp.float32))
+    return odds()
+  return lax.cond(jnp.any(jnp.asarray(agreement) < 1.0), odds, lambda: jnp.zeros(head.shape, jnp.float32))
 
 
 def verify(head: Int[Array, "b t"], n_drafts: Int[Array, "b"], base: Int[Array, "b t"], tail: Int[Array, "b t"],

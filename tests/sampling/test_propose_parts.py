@@ -45,7 +45,8 @@ def test_odds_are_computed_only_where_some_row_asks_for_agreement():
   rng = np.random.default_rng()
   logits = jnp.asarray(_logits(rng))
   head = jnp.asarray(rng.integers(12, 300, (2, 5)), jnp.int32)
-  f = jax.jit(lambda agreement: rule.odds_where_asked(logits, head, NEVER, agreement))
+  wider = jnp.concatenate([logits, jnp.asarray(_logits(rng, t=2))], 1)  # a tail after the head: not read
+  f = jax.jit(lambda agreement: rule.odds_where_asked(wider, head, NEVER, agreement))
   probs = _softmax64(logits)
   want = np.log(np.take_along_axis(probs, np.asarray(head)[..., None], -1)[..., 0]) - np.log(probs.max(-1))
   np.testing.assert_allclose(np.asarray(f(jnp.asarray([1.0, 0.5]))), want, rtol=1e-5, atol=1e-5)
