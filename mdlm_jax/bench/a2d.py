@@ -314,10 +314,9 @@ def main(argv=None):
     for name, overrides in settings.items():
       for path in a.chat_paths:
         if path == "generator":
-          gen.draft_table = table if "+table" in name else None
-          backends[name] = humaneval.GeneratorBackend(gen, sampler_of(name, overrides)).warmup(
+          backends[name] = humaneval.GeneratorBackend(gen, sampler_of(name, overrides),
+                                                      table if "+table" in name else None).warmup(
               requests, max_tokens=a.answer_tokens)
-          gen.draft_table = table
         else:
           backends[name + ENGINE] = humaneval.EngineBackend(
               adapted, effort=_effort(name), temperature=0.0, slots=1, max_new_tokens=a.answer_tokens,

@@ -289,6 +289,13 @@ class EngineBackend:
     self.engine.close(deadline_s=0)
 
 
+def _rendered(gen, requests: Sequence[str]) -> list:
+  """Each request as a user message through `gen`'s checkpoint's chat
+  template: (prompt, stop strings, add_bos)."""
+  from mdlm_jax.server import chat_template
+  return [chat_template.render([{"role": "user", "content": t}], gen.loaded.chat_template, gen.tok) for t in requests]
+
+
 class ARBackend:
   """An AR checkpoint through its KV-cached generator; infilling from the FIM
   prompt, for a checkpoint trained with it."""
@@ -316,9 +323,7 @@ class ARBackend:
     return out
 
   def _render(self, requests):
-    from mdlm_jax.server import chat_template
-    return [chat_template.render([{"role": "user", "content": t}], self.gen.loaded.chat_template, self.gen.tok)
-            for t in requests]
+    return _rendered(self.gen, requests)
 
   def warmup(self, requests: Sequence[str], *, max_tokens: int) -> "ARBackend":
     """Compiles the program of every prompt width `chat(requests)` will use
@@ -362,15 +367,15 @@ class GeneratorBackend:
   jitted loop as the base's ARBackend, where the engine adds its scheduling
   between launches. Chat answers only."""
 
-  def __init__(self, gen, sampler):
-    """`gen`: a `Generator` (several backends may share one); `sampler`: what
-    it decodes with (`presets.for_model`)."""
-    self.gen, self.sampler = gen, sampler
+  def __init__(self, gen, sampler, draft_table=None):
+    """`gen`: a `Generator` (several backends may share one, so each sets
+    the draft table it decodes with, `draft_table`, before every call);
+    `sampler`: what it decodes with (`presets.for_model`)."""
+    self.gen, self.sampler, self.draft_table = gen, sampler, draft_table
 
   def _render(self, requests):
-    from mdlm_jax.server import chat_template
-    return [chat_template.render([{"role": "user", "content": t}], self.gen.loaded.chat_template, self.gen.tok)
-            for t in requests]
+    self.gen.draft_table = self.draft_table
+    return _rendered(self.gen, requests)
 
   def warmup(self, requests: Sequence[str], *, max_tokens: int) -> "GeneratorBackend":
     """Compiles the program of every canvas `chat(requests)` will use (one

@@ -142,3 +142,22 @@ def test_head_widths_are_positive_integers_and_name_their_rows(capsys):
     with pytest.raises(SystemExit):
       a2d.parse(bad)
     assert "--head-widths" in capsys.readouterr().err
+
+
+def test_generator_backends_sharing_a_generator_each_decode_with_their_own_draft_table(monkeypatch):
+  from types import SimpleNamespace
+  from mdlm_jax.bench import humaneval
+  monkeypatch.setattr(humaneval, "_rendered", lambda gen, requests: [(r, (), True) for r in requests])
+  seen = []
+
+  def generate(prompts, **kw):
+    seen.append(gen.draft_table)
+    c = SimpleNamespace(text=prompts[0], tokens=[1, 2, 3])
+    return SimpleNamespace(completions=[c], forward_passes=2)
+
+  gen = SimpleNamespace(draft_table="shared", generate=generate)
+  with_table, without = humaneval.GeneratorBackend(gen, "s", "table"), humaneval.GeneratorBackend(gen, "s")
+  for backend in (with_table, without, with_table):
+    out, stats = backend.chat(["r"], max_tokens=4, seed=0)
+    assert out == ["r"] and stats == {"tokens": 3, "passes": 2}
+  assert seen == ["table", None, "table"]
