@@ -70,6 +70,8 @@ def parse(argv):
   p.add_argument("--max-tokens", type=int, default=96)
   p.add_argument("--effort", default="medium", choices=EFFORTS)
   p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--layout", default="model", choices=("model", "compact"),
+                 help="the JSON layout the schemas are held to (sampling.grammar.LAYOUTS; the server's is model)")
   p.add_argument("--pass-repeats", type=int, default=100, help="timed passes of each kind (the median counts)")
   p.add_argument("--timed-runs", type=int, default=3,
                  help="timed runs of each mode's requests (the fastest counts: wall time on a shared CPU drifts)")
@@ -107,7 +109,7 @@ def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> 
   def requests():
     caps = iter(lengths or [a.max_tokens] * n)
     return [Request(engine.encode(prompt), max(1, next(caps)), sampler, seed=seed,
-                    grammar=None if mode == "unconstrained" else Grammar.json_schema(schema))
+                    grammar=None if mode == "unconstrained" else Grammar.json_schema(schema, layout=a.layout))
             for _, prompt, schema in TASKS for seed in range(a.seeds)]
 
   reqs = requests()
@@ -167,7 +169,8 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   path, loaded = load_checkpoint(a.checkpoint, "bench agent")
   result = {"bench": "agent", "checkpoint": path, "tasks": [t[0] for t in TASKS], "seeds": a.seeds,
-            "max_tokens": a.max_tokens, "effort": a.effort, "temperature": a.temperature, "modes": {}}
+            "max_tokens": a.max_tokens, "effort": a.effort, "temperature": a.temperature, "layout": a.layout,
+            "modes": {}}
   from mdlm_jax.training.evaluation import Scorer
   scorer = Scorer.for_model(loaded)
   result["median_pass_s"] = pass_times(loaded, a)

@@ -26,10 +26,19 @@ from typing import Any, Sequence
 import numpy as np
 
 ACCEPT_POLICIES = ("bridge", "confident", "valid")  # the first is the default
-# JSON as `json.dumps` writes it: one layout, so the model spends no passes on
-# whitespace and clients read what they expect. A schema's own "x-guidance"
-# options override it.
+# JSON as `json.dumps` writes it: no passes spent on whitespace, and the keys
+# a schema requires are forced whole. Tool calls are held to it (the chat
+# template shows them so).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON as a chat model writes it: between any two tokens, a line break at
+# most, with up to 16 spaces or tabs before it and 48 after (indentation),
+# so whitespace cannot run on; "," and ": ". Structured outputs default to
+# it: held to the compact layout, SmolLM2 answered a json_object request
+# with '{"\\n\\n...' (its newline after "{" forbidden, it opened a key and
+# wrote escaped newlines until max_tokens) (`bench layouts`, docs/serving.md).
+MODEL_LAYOUT = {"whitespace_pattern": r"[\x20\x09]{0,16}(\x0D?\x0A[\x20\x09]{0,48})?", "item_separator": ",",
+                "key_separator": ": "}
+LAYOUTS = {"model": MODEL_LAYOUT, "compact": JSON_LAYOUT}
 
 
 class GrammarError(ValueError):
@@ -57,18 +66,23 @@ class Grammar:
   field: str = "grammar"
 
   @classmethod
-  def json_schema(cls, schema: dict[str, Any] | bool, field: str = "response_format") -> Grammar:
+  def json_schema(cls, schema: dict[str, Any] | bool, field: str = "response_format",
+                  layout: str = "model") -> Grammar:
+    """Output valid under `schema`, laid out as LAYOUTS[layout] says unless
+    the schema's own "x-guidance" options say otherwise."""
     if not isinstance(schema, (dict, bool)):
       raise GrammarError("a JSON schema must be an object", field)
+    if layout not in LAYOUTS:
+      raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     try:
-      return cls(_llg().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT), field)
+      return cls(_llg().LLMatcher.grammar_from_json_schema(schema, defaults=LAYOUTS[layout]), field)
     except (ValueError, TypeError) as e:
       raise GrammarError(f"invalid JSON schema: {e}", field) from None
 
   @classmethod
-  def json_object(cls, field: str = "response_format") -> Grammar:
+  def json_object(cls, field: str = "response_format", layout: str = "model") -> Grammar:
     """Any JSON object (OpenAI's json_object mode)."""
-    return cls.json_schema({"type": "object"}, field)
+    return cls.json_schema({"type": "object"}, field, layout)
 
   @classmethod
   def regex(cls, pattern: str, field: str = "guided_regex") -> Grammar:
@@ -218,4 +232,5 @@ class Constraint:
     return ff[:n]
 
 
-__all__ = ["ACCEPT_POLICIES", "Constraint", "Grammar", "GrammarError", "bitmask_words", "vocabulary"]
+__all__ = ["ACCEPT_POLICIES", "Constraint", "Grammar", "GrammarError", "JSON_LAYOUT", "LAYOUTS", "MODEL_LAYOUT",
+           "bitmask_words", "vocabulary"]

@@ -212,3 +212,25 @@ def test_a_runtime_run_in_a_child_returns_its_result_or_names_its_crash():
   assert in_child(math.sqrt, x) == math.sqrt(x)
   got = in_child(os.abort)
   assert "crashed" in got["error"] and "exit code -6" in got["error"]
+
+
+def test_layouts_bench_referees_objects_and_schemas():
+  from mdlm_jax.bench import layouts
+  schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+  assert layouts.valid('{\n  "a": [1, 2]\n}', None)
+  assert not layouts.valid("[1, 2]", None)  # JSON, but not an object
+  assert not layouts.valid('{"a": 1', None)  # cut short
+  assert layouts.valid('{"n": 3, "extra": true}', schema)
+  assert not layouts.valid('{"n": "3"}', schema) and not layouts.valid("{}", schema)
+  assert layouts.named_keys({"user name": [{"id_2": 1, "x-y": None}], "Z": "?"}) and layouts.named_keys([1, "a"])
+  assert not layouts.named_keys({",": 1}) and not layouts.named_keys({"a": [{"\n": 2}]})
+  assert not layouts.named_keys({"2nd": 1}) and not layouts.named_keys({"": 0})
+  # Every task's schema is one jsonschema accepts, and both modes are covered.
+  import jsonschema
+  for _, _, s in layouts.TASKS:
+    if s is not None:
+      jsonschema.Draft202012Validator.check_schema(s)
+  assert {s is None for _, _, s in layouts.TASKS} == {True, False}
+  with pytest.raises(SystemExit):
+    layouts.parse(["--layouts=model,pretty"])
+  assert layouts.parse(["--layouts=compact"]).layouts == ["compact"]

@@ -136,3 +136,15 @@ def test_bench_longctx(tiny_checkpoints, tmp_path):
   # Four times the length: the reference's [L, L] scores grow 16x, the chunked attention's tiles not at all.
   grow = lambda a: runs[(a, 1024)]["temp_gib"] / runs[(a, 256)]["temp_gib"]  # noqa: E731
   assert grow("reference") > 8 and grow("xla") < 5
+
+
+def test_bench_layouts(tiny_checkpoints, tmp_path):
+  out = _bench("layouts", f"--checkpoint={tiny_checkpoints['mdlm']}", "--limit=10", "--max-tokens=12",
+               tmp_path=tmp_path)
+  assert set(out["layouts"]) == {"model", "compact"} and out["tasks"] == 10 and out["object_tasks"] == 8
+  assert out["decode_dtype"] in ("w8a8", "float32")  # "auto", resolved as the server resolves it
+  for row in out["layouts"].values():
+    assert row["finished_stop"] + row["finished_length"] == 10 and len(row["answers"]) == 10
+    assert row["valid"] == row["valid_object_mode"] + row["valid_schema_mode"] <= 10
+    assert row["valid_named_keys"] <= row["valid"]
+    assert row["passes"] >= 10 and row["tokens_per_pass"] == pytest.approx(row["completion_tokens"] / row["passes"])

@@ -52,7 +52,7 @@ def test_vocabulary_bytes_are_what_each_token_decodes_to(tok):
 def test_a_text_grammar_accepts_its_own_tokenisation(tok):
   vocab = vocabulary(tok, tok.vocab_size + 7)  # a padded model vocabulary
   text = json.dumps({"ok": True, "n": 2})
-  c = Constraint(Grammar.json_schema(SCHEMA), vocab, [tok.eos_id])
+  c = Constraint(Grammar.json_schema(SCHEMA, layout="compact"), vocab, [tok.eos_id])
   ids = tok.encode(text)
   forced = c.forced(len(ids))
   assert forced and text.startswith(tok.decode(forced))  # '{"ok": ' is the only way to start
@@ -60,6 +60,29 @@ def test_a_text_grammar_accepts_its_own_tokenisation(tok):
   assert c.accept(rest) == rest
   # The object is closed: nothing but the end may follow.
   assert c.ended or (c.accept([tok.eos_id]) == [tok.eos_id] and c.ended)
+
+
+def test_json_layouts_allow_whitespace_as_they_say(tok):
+  vocab = vocabulary(tok, tok.vocab_size)
+  indented = tok.encode(json.dumps({"ok": True, "n": 2}, indent=int(np.random.default_rng().integers(1, 9))))
+
+  def taken(grammar, ids):
+    return len(Constraint(grammar, vocab, [tok.eos_id], policy="valid").accept(ids))
+
+  # A chat model's own layout passes whole under "model"; "compact" stops at the first whitespace.
+  assert taken(Grammar.json_schema(SCHEMA), indented) == len(indented)
+  assert taken(Grammar.json_schema(SCHEMA, layout="compact"), indented) == 1  # "{" alone
+  # Between two tokens: up to 16 spaces, a line break, up to 48 spaces of indentation; no more.
+  rng = np.random.default_rng()
+  before, after = int(rng.integers(0, 17)), int(rng.integers(0, 49))
+  for gap, whole in ((" " * before + "\n" + " " * after, True), (" " * 16 + "\n" + " " * 48, True),
+                     (" " * 17, False), ("\n" + " " * 49, False), ("\n\n", False)):
+    ids = tok.encode("{" + gap + '"a": 1}')
+    assert (taken(Grammar.json_object(), ids) == len(ids)) == whole, repr(gap)
+  # A schema's own x-guidance options win over the layout: no whitespace at all.
+  assert taken(Grammar.json_schema({**SCHEMA, "x-guidance": {"whitespace_pattern": ""}}), indented) == 1
+  with pytest.raises(ValueError, match="layout"):
+    Grammar.json_object(layout="pretty")
 
 
 def test_accept_takes_the_grammatical_prefix_the_policy_allows(tok):
