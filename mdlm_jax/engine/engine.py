@@ -267,8 +267,9 @@ class Engine:
   def warmup(self) -> "Engine":
     """Compiles the pass for every slot-count bucket and the prefill for every
     prompt-length bucket now, so early requests do not wait for compilation
-    (for an AR model adapted to diffusion, its revising pass too). Call
-    before start()."""
+    (for an AR model adapted to diffusion, its revising pass too; and the
+    guided pass constrained requests run, structured outputs and tool calls,
+    beside a revising request too). Call before start()."""
     if self._thread is not None:
       raise RuntimeError("warm up before start(): the engine thread owns the state once started")
     with self._mesh_context():
@@ -290,10 +291,12 @@ class Engine:
       for rows in sorted({self._rows_for(n) for n in range(1, self.num_slots + 1)}):
         for with_head in (True, False):  # idle slots: nothing changes
           self._run_pass(rows, with_head)
+          self._run_pass(rows, with_head, guided=True)  # no guides: nothing is written
         if revises:
           for passes in sorted({1, self.passes_per_turn}):
             for head_only in (False, True) if not presets.model_drafts_pay() else (False,):
               self._run_pass(rows, True, revising=True, passes=passes, head_only=head_only)
+          self._run_pass(rows, True, guided=True, revising=True)
       _request_key(0)  # the key derivation compiles too, where it runs on the device
       jax.block_until_ready(self._state)
     return self

@@ -366,8 +366,10 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
   """After warmup, serving a request compiles nothing (XLA's compile events,
   not jit's dispatch caches, which may add entries for programs it has)."""
   import jax.monitoring
+  from mdlm_jax.sampling.grammar import Grammar
   e = Engine(loaded, num_slots=4, max_prompt=32, max_new_tokens=24, block_size=8).warmup()
-  assert e.compiled() == {"passes": 8, "prefills": 3}  # rows 1, 2, 3, 4 x head or not; prompts 16, 24, 32
+  # Rows 1, 2, 3, 4 x head or not x guided or not; prompts 16, 24, 32.
+  assert e.compiled() == {"passes": 16, "prefills": 3}
   req = _request(loaded, PROMPTS[1], max_tokens=16)
   compiles = []
   listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
@@ -375,6 +377,7 @@ def test_warmup_compiles_then_serves_the_same(loaded, engine):
   e.start()
   try:
     got = e.submit(req).result(timeout=120).text
+    e.submit(dataclasses.replace(req, grammar=Grammar.json_object(layout="compact"))).result(timeout=120)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
     e.close(deadline_s=1)

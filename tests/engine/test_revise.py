@@ -274,8 +274,8 @@ def test_warmup_compiles_the_revising_pass(models):
   _, adapted = models
   e = Engine(adapted, num_slots=1, max_prompt=32, max_new_tokens=8).warmup()
   # One slot: with a head, without, revising, revising passes_per_turn at once; on CPU each revising pass again
-  # with the heads alone (the presets' choice there).
-  assert e.compiled()["passes"] == 4 + 2 * (not presets.model_drafts_pay())
+  # with the heads alone (the presets' choice there); guided with a head, without, and beside a revising request.
+  assert e.compiled()["passes"] == 4 + 2 * (not presets.model_drafts_pay()) + 3
   compiles = []
   listener = lambda event, secs, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
   jax.monitoring.register_event_duration_secs_listener(listener)
@@ -284,6 +284,10 @@ def test_warmup_compiles_the_revising_pass(models):
     sampler = e.sampler_for("medium", temperature=0.0)
     assert sampler.revises
     e.submit(Request(e.encode(PROMPTS[0]), 8, sampler, seed=0)).result(timeout=300)
+    # A constrained request (structured outputs, tool calls) alone, then beside a revising one.
+    guided = Request(e.encode(PROMPTS[0]), 8, e.sampler_for("medium", temperature=0.0, revisable=False),
+                     grammar=grammar.Grammar.json_object(layout="compact"))
+    e.submit(guided).result(timeout=300)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
     e.close(deadline_s=1)
