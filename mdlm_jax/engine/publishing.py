@@ -85,7 +85,8 @@ def events_for(h: Handle, row: int, snap: Snapshot, tok) -> tuple[list[Event], E
   if not done:
     return out, None
   return out, Event("done", h.emitted, end.reason, completion_tokens=len(end.tokens), passes=passes,
-                    logprobs=h.logprob_entries(snap.gen[row], row, snap.logprobs, len(end.tokens)))
+                    logprobs=h.logprob_entries(snap.gen[row], row, snap.logprobs, len(end.tokens)),
+                    stopped_by=end.stopped_by)
 
 
 def tokens_within(tok, ids, n_chars: int) -> int:

@@ -69,3 +69,4 @@ class Event:
   completion_tokens: int = 0
   passes: int = 0
   logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+  stopped_by: str | None = None  # "done" only: the stop string that ended it, if one did

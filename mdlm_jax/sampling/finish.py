@@ -24,6 +24,7 @@ class Finished:
   text: str
   tokens: list[int]
   reason: str | None
+  stopped_by: str | None = None  # the stop string that cut it, if one did
 
   @property
   def done(self) -> bool:
@@ -61,7 +62,8 @@ def finish(tok, ids: Sequence[int], *, max_tokens: int, stop: Sequence[str] = ()
   text = (text_of or tok.decode)(ids)
   cut = first_stop(text, stop)
   if cut >= 0:
-    return Finished(text[:cut], ids[:tokens_for_text(tok, ids, cut)], "stop")
+    by = max((x for x in stop if x and text.startswith(x, cut)), key=len)
+    return Finished(text[:cut], ids[:tokens_for_text(tok, ids, cut)], "stop", by)
   if eos >= 0:
     return Finished(text, ids, "stop")
   if final or len(ids) >= max_tokens:

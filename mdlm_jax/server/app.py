@@ -25,6 +25,7 @@ from mdlm_jax.engine.engine import ContextLengthExceeded, Engine, EngineClosed, 
 from mdlm_jax.engine.engine import Request as EngineRequest
 from mdlm_jax.server import chat_template
 from mdlm_jax.server import apply_edit
+from mdlm_jax.server import lazy_calls
 from mdlm_jax.server import tools as tools_lib
 from mdlm_jax.server.prometheus import Metrics
 from mdlm_jax.sampling.grammar import Grammar, GrammarError
@@ -178,9 +179,14 @@ async def _chat(state: ServerState, request: Request):
   if tools is not None and not calling:
     stops += (tools_lib.OPEN,)  # tool_choice none: the answer ends before any call
   s.stop = tuple(dict.fromkeys(s.stop + stops))
-  return await _generate(state, request, "chat", [Prompt(state.engine.encode(prompt, add_bos=add_bos))], s,
-                         grammar=tools_lib.grammar(tools) if calling else guide,
-                         end_ids=_single_tokens(state, stops), calls=calling)
+  ids = state.engine.encode(prompt, add_bos=add_bos)
+  # auto: free text first, the calls' grammar from an opening tag on, wherever every
+  # continuation of the answer fits a prompt (`lazy_calls`); else one request under one grammar.
+  lazy = (calling and tools.choice == "auto" and not s.revise
+          and len(ids) + s.max_tokens <= state.engine.sc.max_prompt)
+  return await _generate(state, request, "chat", [Prompt(ids)], s,
+                         grammar=tools_lib.grammar(tools) if calling and not lazy else guide,
+                         end_ids=_single_tokens(state, stops), calls=calling, lazy_tools=tools if lazy else None)
 
 
 async def _completions(state: ServerState, request: Request):
@@ -616,20 +622,47 @@ class _Answer:
 
 async def _generate(state: ServerState, request: Request, kind: str, prompts: list[Prompt], s: Sampling,
                     suffix: str = "", grammar: Grammar | None = None, end_ids: tuple[int, ...] = (),
-                    calls: bool = False):
-  """`calls`: the answer may hold tool calls, returned as `tool_calls`."""
+                    calls: bool = False, lazy_tools: tools_lib.Tools | None = None):
+  """`calls`: the answer may hold tool calls, returned as `tool_calls`;
+  `lazy_tools`: as free text until a call opens, then under those tools'
+  grammar (`lazy_calls`)."""
   reqs = _engine_requests(state, prompts, s, suffix, grammar, end_ids)
   # What the model reads, each prompt once (as OpenAI counts it for n > 1).
   prompt_tokens = sum(len(r.prompt_ids) + len(r.suffix_ids) for r in reqs[::s.n])
   echo = [p.echo for p in prompts for _ in range(s.n)]
   t0 = time.perf_counter()
-  handles = _submit_all(state, reqs, want_drafts=s.diffusing)
+  if lazy_tools is None:
+    handles = _submit_all(state, reqs, want_drafts=s.diffusing)
+  else:
+    try:
+      thens = [_calls_after(state, r, s, lazy_tools, end_ids) for r in reqs]
+    except ValueError as e:  # settings the calls' decoding does not take
+      raise APIError(400, str(e), code="invalid_value") from e
+    firsts = _submit_all(state, [lazy_calls.first_request(r) for r in reqs], want_drafts=s.diffusing)
+    handles = [lazy_calls.LazyCalls(h, lambda r: state.engine.submit(r, want_drafts=s.diffusing), then)
+               for h, then in zip(firsts, thens)]
   a = _Answer(state, request, kind, s, reqs, handles, echo, prompt_tokens, calls,
               ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), int(time.time()), t0)
   if not s.stream:
     return await _whole(a)
   return StreamingResponse(_chunks(a), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _calls_after(state: ServerState, first: EngineRequest, s: Sampling, tools: tools_lib.Tools,
+                 end_ids: tuple[int, ...]):
+  """What makes the calls' request of a lazily constrained answer (`lazy_calls.LazyCalls`)."""
+  tag = len(state.engine.encode(tools_lib.OPENED, add_bos=False))
+  sampler = state.engine.sampler_for(s.effort, revisable=False, **s.rule())
+
+  def then(text: str, used: int):
+    room = first.max_tokens - used - tag
+    if room < 1:
+      return None
+    ids = list(first.prompt_ids) + state.engine.encode(text + tools_lib.OPENED, add_bos=False)
+    return EngineRequest(ids, room, sampler, seed=first.seed, stop=first.stop,
+                         grammar=tools_lib.grammar(tools, opened=True), end_ids=end_ids), tag
+  return then
 
 
 async def _whole(a: _Answer) -> JSONResponse:

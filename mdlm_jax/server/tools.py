@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from mdlm_jax.sampling.grammar import JSON_LAYOUT, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPENED = OPEN + "\n"  # what a call's body follows
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CALL = re.compile(re.escape(OPEN) + r"\n(.*?)\n" + re.escape(CLOSE), re.S)
 
@@ -100,8 +101,10 @@ def parse(body: dict) -> Tools | None:
   return Tools(tuple(tools), choice, named, parallel)
 
 
-def grammar(tools: Tools) -> Grammar | None:
-  """The grammar of an answer under `tools.choice` (None for `none`)."""
+def grammar(tools: Tools, opened: bool = False) -> Grammar | None:
+  """The grammar of an answer under `tools.choice` (None for `none`), or
+  with `opened` of what follows a call's opening tag and newline, the
+  text before them already written (`lazy_calls`)."""
   if tools.choice == "none":
     return None
   names = [tools.named] if tools.choice == "named" else tools.names
@@ -109,7 +112,9 @@ def grammar(tools: Tools) -> Grammar | None:
                      "required": ["name", "arguments"], "additionalProperties": False} for n in names]}
   parallel = tools.parallel and tools.choice != "named"
   more = ' (NEXT body "\\n</tool_call>")*' if parallel else ""
-  if tools.choice == "auto":
+  if opened:
+    start = "start: calls\ncalls: body \"\\n</tool_call>\"" + more
+  elif tools.choice == "auto":
     # Text, or text then calls: the lazy head ends at the first opening tag,
     # and from there the call is forced (llguidance's tool-calling pattern).
     start = "start: TEXT | calls\ncalls: head body \"\\n</tool_call>\"" + more + "\nhead[lazy]: TEXT \"<tool_call>\\n\""
@@ -208,4 +213,4 @@ def check_history(messages: Sequence[dict]) -> None:
       raise ToolError(f"messages[{i}].tool_call_id", f"{m['tool_call_id']!r} answers no earlier tool call")
 
 
-__all__ = ["CLOSE", "Call", "CallStream", "OPEN", "ToolError", "Tools", "check_history", "grammar", "parse", "split"]
+__all__ = ["CLOSE", "Call", "CallStream", "OPEN", "OPENED", "ToolError", "Tools", "check_history", "grammar", "parse", "split"]

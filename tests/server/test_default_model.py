@@ -74,3 +74,22 @@ def test_its_structured_output_closes(client, stream):
   assert finish == "stop"
   person = json.loads(text)
   assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_decodes_free_until_a_call_opens(client, stream):
+  """tool_choice auto: free text, and a call once the model opens one (here
+  nudged to, with a bias on "<", the tag's first token), decoded under the
+  calls' grammar from there (`server/lazy_calls.py`)."""
+  kw = dict(max_tokens=64, tools=[WEATHER], temperature=0, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+  r = client.chat.completions.create(model="a2d_smollm2", **kw)
+  assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls  # it answers in prose
+  kw["logit_bias"] = {"44": 8}  # "<"
+  if stream:
+    text, calls, finish = _stream(client, **kw)
+  else:
+    r = client.chat.completions.create(model="a2d_smollm2", **kw)
+    text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+  assert finish == "tool_calls" and not text
+  assert calls and all(c["name"] == "get_weather" and json.loads(c["arguments"]) == {"city": "Paris"} for c in calls)

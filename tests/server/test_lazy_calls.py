@@ -1,0 +1,122 @@
+"""tool_choice auto as a free request, then the calls' request: the joined
+events against hand-built cases, with fake handles standing in for the engine's."""
+
+import dataclasses
+
+from mdlm_jax.engine.requests import Event, Request
+from mdlm_jax.sampling.finish import finish
+from mdlm_jax.server import lazy_calls, tools
+
+
+class FakeHandle:
+  """Events pushed by hand; listeners as the engine's handle calls them."""
+
+  def __init__(self, request):
+    self.request, self.events, self.listeners, self.cancelled = request, [], [], False
+
+  def add_listener(self, fn, *, end_only=False):
+    self.listeners.append((fn, end_only))
+
+  def push(self, *events):
+    self.events += events
+    for fn, end_only in self.listeners:
+      if not end_only or any(e.kind == "done" for e in events):
+        fn()
+
+  def poll(self):
+    out, self.events = self.events, []
+    return out
+
+  def cancel(self):
+    self.cancelled = True
+
+
+def _pair(max_tokens=32, tag=3):
+  first = FakeHandle(Request([1, 2], max_tokens, sampler=None))
+  made, submitted = [], []
+
+  def then(text, used):
+    if max_tokens - used - tag < 1:
+      return None
+    made.append((text, used))
+    return Request([1, 2, 9], max_tokens - used - tag, sampler=None), tag
+
+  def submit(r):
+    submitted.append(FakeHandle(r))
+    return submitted[-1]
+
+  return lazy_calls.LazyCalls(first, submit, then), first, made, submitted
+
+
+def test_first_request_stops_at_the_opening_tag_without_a_grammar():
+  r = Request([1], 8, sampler=None, stop=("<|im_end|>",), grammar="g", end_ids=(5,))
+  got = lazy_calls.first_request(r)
+  assert got.grammar is None and got.end_ids == () and got.stop == ("<|im_end|>", tools.OPEN)
+  assert lazy_calls.first_request(got).stop == got.stop  # the tag once
+
+
+def test_an_answer_without_a_call_is_the_free_request_alone():
+  lazy, first, made, submitted = _pair()
+  woken = []
+  lazy.add_listener(lambda: woken.append(1))
+  first.push(Event("delta", "Hello", passes=2), Event("done", "Hello", "stop", completion_tokens=2, passes=3,
+                                                      stopped_by="<|im_end|>"))
+  assert woken and [e.kind for e in lazy.poll()] == ["delta", "done"]
+  assert not made and not submitted
+
+
+def test_an_opened_call_goes_on_under_the_calls_request():
+  lazy, first, made, submitted = _pair()
+  woken = []
+  lazy.add_listener(lambda: woken.append("end"), end_only=True)
+  first.push(Event("delta", "Let me look.", passes=4),
+             Event("done", "Let me look.\n", "stop", completion_tokens=5, passes=6, stopped_by=tools.OPEN))
+  events = lazy.poll()
+  assert [(e.kind, e.text) for e in events] == [("delta", "Let me look."), ("delta", tools.OPENED)]
+  assert made == [("Let me look.\n", 5)] and len(submitted) == 1
+  second = submitted[0]
+  assert second.request.max_tokens == 32 - 5 - 3 and second.listeners  # the listener moved on with it
+  call = '{"name": "f", "arguments": {}}\n</tool_call>'
+  second.push(Event("delta", call[:10], passes=2), Event("draft", "x", passes=2),
+              Event("done", call, "stop", completion_tokens=7, passes=3))
+  joined = lazy.poll()
+  assert woken == ["end", "end"]  # the first's end (the poller opens the call), then the answer's
+  assert [(e.kind, e.passes) for e in joined] == [("delta", 8), ("draft", 8), ("done", 9)]
+  assert joined[1].text == "Let me look.\n" + tools.OPENED + "x"
+  done = joined[-1]
+  assert done.text == "Let me look.\n" + tools.OPENED + call and done.finish_reason == "stop"
+  assert done.completion_tokens == 5 + 3 + 7
+  content, calls = tools.split(done.text)
+  assert content.strip() == "Let me look." and [c.name for c in calls] == ["f"]
+  lazy.cancel()
+  assert second.cancelled and not first.cancelled
+
+
+def test_no_room_for_a_call_ends_the_answer_by_length():
+  lazy, first, made, submitted = _pair(max_tokens=8, tag=3)
+  first.push(Event("done", "abc", "stop", completion_tokens=6, passes=2, stopped_by=tools.OPEN))
+  (done,) = lazy.poll()
+  assert done.kind == "done" and done.finish_reason == "length" and done.text == "abc" and not submitted
+
+
+def test_a_cancelled_answer_opens_no_call():
+  lazy, first, made, submitted = _pair()
+  lazy.cancel()
+  assert first.cancelled
+  first.push(Event("done", "a", "cancelled", passes=1, stopped_by=tools.OPEN))
+  assert [e.finish_reason for e in lazy.poll()] == ["cancelled"] and not submitted
+
+
+def test_finish_names_the_stop_string_that_cut_it():
+  class Tok:
+    eos_id = 0
+
+    @staticmethod
+    def decode(ids):
+      return "".join(chr(96 + i) for i in ids)
+
+  ids = [1, 2, 3, 4, 5, 6]  # "abcdef"
+  assert finish(Tok, ids, max_tokens=9, stop=("de", "cd", "bcx")).stopped_by == "cd"
+  assert finish(Tok, ids, max_tokens=9, stop=("c", "cde")).stopped_by == "cde"  # the longest at the cut
+  assert finish(Tok, ids, max_tokens=9, stop=("zz",)).stopped_by is None
+  assert dataclasses.replace(finish(Tok, [1, 0, 2], max_tokens=9), tokens=[]).stopped_by is None  # EOS
