@@ -660,6 +660,8 @@ def _calls_after(state: ServerState, first: EngineRequest, s: Sampling, tools: t
     if room < 1:
       return None
     ids = list(first.prompt_ids) + state.engine.encode(text + tools_lib.OPENED, add_bos=False)
+    if len(ids) > state.engine.sc.max_prompt:  # the text re-encoded in more tokens than it was written in
+      return None
     return EngineRequest(ids, room, sampler, seed=first.seed, stop=first.stop,
                          grammar=tools_lib.grammar(tools, opened=True), end_ids=end_ids), tag
   return then
