@@ -1,10 +1,11 @@
-"""python -m mdlm_jax.bench {train,sample,serve,kernels,humaneval,agent,layouts,longctx,passkey,ar,a2d,ablate} [--json] [options]"""
+"""python -m mdlm_jax.bench {train,sample,serve,kernels,humaneval,agent,layouts,tools,longctx,passkey,ar,a2d,ablate} [--json] [options]"""
 
 import sys
 
 COMMANDS = {"train": "mdlm_jax.bench.train", "sample": "mdlm_jax.bench.sample", "serve": "mdlm_jax.bench.serve",
             "kernels": "mdlm_jax.bench.kernels", "humaneval": "mdlm_jax.bench.humaneval",
             "agent": "mdlm_jax.bench.agent", "layouts": "mdlm_jax.bench.layouts",
+            "tools": "mdlm_jax.bench.tools",
             "longctx": "mdlm_jax.bench.longctx",
             "passkey": "mdlm_jax.bench.passkey", "ar": "mdlm_jax.bench.ardecode", "a2d": "mdlm_jax.bench.a2d",
             "ablate": "mdlm_jax.bench.ablate"}

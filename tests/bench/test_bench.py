@@ -234,3 +234,16 @@ def test_layouts_bench_referees_objects_and_schemas():
   with pytest.raises(SystemExit):
     layouts.parse(["--layouts=model,pretty"])
   assert layouts.parse(["--layouts=compact"]).layouts == ["compact"]
+
+
+def test_tools_bench_totals_each_side():
+  from mdlm_jax.bench import tools
+  rows = [{"tokens": 10, "passes": 4, "seconds": 0.5, "calls": 0, "finish": "stop"},
+          {"tokens": 6, "passes": 4, "seconds": 0.3, "calls": 2, "finish": "tool_calls"},
+          {"tokens": 9, "passes": 2, "seconds": 0.2, "calls": 0, "finish": "length"}]
+  got = tools.summarize(rows)
+  assert got["completion_tokens"] == 25 and got["passes"] == 10 and got["tokens_per_pass"] == pytest.approx(2.5)
+  assert got["tokens_per_s"] == pytest.approx(25.0) and got["answers_with_calls"] == 1
+  assert got["finish_reasons"] == {"stop": 1, "tool_calls": 1, "length": 1}
+  with pytest.raises(SystemExit):
+    tools.parse(["--limit=0"])

@@ -148,3 +148,12 @@ def test_bench_layouts(tiny_checkpoints, tmp_path):
     assert row["valid"] == row["valid_object_mode"] + row["valid_schema_mode"] <= 10
     assert row["valid_named_keys"] <= row["valid"]
     assert row["passes"] >= 10 and row["tokens_per_pass"] == pytest.approx(row["completion_tokens"] / row["passes"])
+
+
+def test_bench_tools(tiny_checkpoints, tmp_path):
+  out = _bench("tools", f"--checkpoint={tiny_checkpoints['mdlm']}", "--limit=2", "--max-tokens=12", tmp_path=tmp_path)
+  assert set(out["sides"]) == {"tools", "no_tools"} and out["prompts"] == 2
+  for side in out["sides"].values():
+    assert side["answers"] == 2 and sum(side["finish_reasons"].values()) == 2
+    assert side["passes"] >= 2 and 0 < side["completion_tokens"] <= 24
+  assert out["tokens_per_s_with_tools_vs_without"] > 0
