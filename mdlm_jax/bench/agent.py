@@ -35,6 +35,7 @@ import sys
 import time
 
 from mdlm_jax.bench.common import add_output_flags, finish, load_checkpoint, save_figure
+from mdlm_jax.bench.layouts import valid
 from mdlm_jax.sampling.presets import EFFORTS
 
 _NAME = {"type": "string"}
@@ -70,8 +71,9 @@ def parse(argv):
   p.add_argument("--max-tokens", type=int, default=96)
   p.add_argument("--effort", default="medium", choices=EFFORTS)
   p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--layout", default="model", choices=("model", "compact"),
-                 help="the JSON layout the schemas are held to (sampling.grammar.LAYOUTS; the server's is model)")
+  p.add_argument("--layout", default="compact", choices=("model", "compact"),
+                 help="the JSON layout the schemas are held to (sampling.grammar.LAYOUTS): compact suits these code"
+                 " prompts (json.loads('...'); the server's default for chat is model)")
   p.add_argument("--pass-repeats", type=int, default=100, help="timed passes of each kind (the median counts)")
   p.add_argument("--timed-runs", type=int, default=3,
                  help="timed runs of each mode's requests (the fastest counts: wall time on a shared CPU drifts)")
@@ -80,15 +82,6 @@ def parse(argv):
   if min(a.seeds, a.max_tokens, a.pass_repeats, a.timed_runs) < 1:
     p.error("--seeds, --max-tokens, --pass-repeats and --timed-runs must be positive")
   return a
-
-
-def _valid(text: str, schema: dict) -> bool:
-  import jsonschema
-  try:
-    jsonschema.validate(json.loads(text), schema)
-  except (ValueError, jsonschema.ValidationError):
-    return False
-  return True
 
 
 def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> dict:
@@ -138,8 +131,8 @@ def run_mode(loaded, mode: str, a, scorer, lengths: list[int] | None = None) -> 
       "tokens_per_request_pass": tokens / max(sum(d.passes for d in done), 1),
       "grammar_host_s_per_pass": stats.get("grammar_seconds", 0.0) / guided_steps if guided_steps else 0.0,
       "finished_stop": len(stopped), "finished_length": sum(d.finish_reason == "length" for d in done),
-      "valid": sum(_valid(d.text, s) for d, s in zip(done, schemas)),
-      "valid_of_stopped": sum(_valid(d.text, s) for d, s in zip(done, schemas) if d.finish_reason == "stop"),
+      "valid": sum(valid(d.text, s) for d, s in zip(done, schemas)),
+      "valid_of_stopped": sum(valid(d.text, s) for d, s in zip(done, schemas) if d.finish_reason == "stop"),
       "nll_per_token": float(nll.sum() / max(scored.sum(), 1)),
       "examples": [d.text for d in done[::a.seeds]][:3],
       "lengths": [d.completion_tokens for d in done],

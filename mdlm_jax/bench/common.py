@@ -90,3 +90,11 @@ def load_checkpoint(path: str | None, command: str):
     return path, checkpoints.load(path)
   except cli.USER_ERRORS as e:
     cli.fail(command, e)
+
+
+def free_port() -> int:
+  """A port on 127.0.0.1 that nothing listens on now (for a server in this process)."""
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]

@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import socket
 import sys
 import threading
 import time
 
-from mdlm_jax.bench.common import add_output_flags, finish, positive_ints, save_figure
+from mdlm_jax.bench.common import add_output_flags, finish, free_port, positive_ints, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
 from mdlm_jax.model.layers import WEIGHT_LAYOUTS
 
@@ -73,12 +72,6 @@ def _summary(latencies, tokens, wall):
           "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def main(argv):
   a = parse(argv)
   import numpy as np
@@ -111,7 +104,7 @@ def main(argv):
   engine.start()
   app = create_app(engine, model_id="bench",
                    limits=Limits(max_tokens=max_new, max_prompt_tokens=2 * a.prompt_tokens + 16))
-  port = _free_port()
+  port = free_port()
   server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import socket
 import threading
 import time
 
-from mdlm_jax.bench.common import add_output_flags, finish, load_checkpoint, save_figure
+from mdlm_jax.bench.common import add_output_flags, finish, free_port, load_checkpoint, save_figure
 from mdlm_jax.sampling.presets import EFFORTS
 
 TOOLS = [
@@ -58,12 +57,6 @@ def parse(argv):
   return a
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def summarize(rows: list[dict]) -> dict:
   """One side's totals from its answers ({tokens, passes, seconds, calls, finish})."""
   tokens, passes, seconds = (sum(r[k] for r in rows) for k in ("tokens", "passes", "seconds"))
@@ -88,7 +81,7 @@ def main(argv):
   max_new = -(-a.max_tokens // bs) * bs
   engine = Engine(loaded, num_slots=1, max_prompt=1024, max_new_tokens=max_new, decode_dtype="auto").warmup().start()
   app = create_app(engine, model_id="bench", limits=Limits(max_tokens=max_new, max_prompt_tokens=1024))
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
   threading.Thread(target=server.run, daemon=True).start()
   while not server.started:
     time.sleep(0.05)
