@@ -180,12 +180,16 @@ async def _chat(state: ServerState, request: Request):
     stops += (tools_lib.OPEN,)  # tool_choice none: the answer ends before any call
   s.stop = tuple(dict.fromkeys(s.stop + stops))
   ids = state.engine.encode(prompt, add_bos=add_bos)
-  # auto: free text first, the calls' grammar from an opening tag on, wherever every
-  # continuation of the answer fits a prompt (`lazy_calls`); else one request under one grammar.
-  lazy = (calling and tools.choice == "auto" and not s.revise
+  # auto: free text first, then each call under its grammar from an opening tag on; required: the
+  # calls alone; after each call a free probe says whether another opens. Wherever every continuation
+  # of the answer fits a prompt (`lazy_calls`); else one request under one grammar.
+  lazy = (calling and tools.choice in ("auto", "required") and not s.revise
           and len(ids) + s.max_tokens <= state.engine.sc.max_prompt)
-  return await _generate(state, request, "chat", [Prompt(ids)], s,
-                         grammar=tools_lib.grammar(tools) if calling and not lazy else guide,
+  if lazy:
+    grammar = tools_lib.grammar(tools_lib.one_call(tools)) if tools.choice == "required" else None
+  else:
+    grammar = tools_lib.grammar(tools) if calling else guide
+  return await _generate(state, request, "chat", [Prompt(ids)], s, grammar=grammar,
                          end_ids=_single_tokens(state, stops), calls=calling, lazy_tools=tools if lazy else None)
 
 
@@ -638,9 +642,12 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
       thens = [_calls_after(state, r, s, lazy_tools, end_ids) for r in reqs]
     except ValueError as e:  # settings the calls' decoding does not take
       raise APIError(400, str(e), code="invalid_value") from e
-    firsts = _submit_all(state, [lazy_calls.first_request(r) for r in reqs], want_drafts=s.diffusing)
-    handles = [lazy_calls.LazyCalls(h, lambda r: state.engine.submit(r, want_drafts=s.diffusing), then)
-               for h, then in zip(firsts, thens)]
+    calling = lazy_tools.choice == "required"  # the answer starts with a call
+    firsts = _submit_all(state, reqs if calling else [lazy_calls.first_request(r) for r in reqs],
+                         want_drafts=s.diffusing)
+    handles = [lazy_calls.LazyCalls(h, lambda r: state.engine.submit(r, want_drafts=s.diffusing), then, probe,
+                                    calling=calling)
+               for h, (then, probe) in zip(firsts, thens)]
   a = _Answer(state, request, kind, s, reqs, handles, echo, prompt_tokens, calls,
               ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12), int(time.time()), t0)
   if not s.stream:
@@ -651,9 +658,13 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
 
 def _calls_after(state: ServerState, first: EngineRequest, s: Sampling, tools: tools_lib.Tools,
                  end_ids: tuple[int, ...]):
-  """What makes the calls' request of a lazily constrained answer (`lazy_calls.LazyCalls`)."""
+  """What makes the requests of a lazily constrained answer after its first (`lazy_calls.LazyCalls`): a call's
+  after its opening tag, and the free probe after a closed call (none where one call is all it may hold)."""
   tag = len(state.engine.encode(tools_lib.OPENED, add_bos=False))
   sampler = state.engine.sampler_for(s.effort, revisable=False, **s.rule())
+  free = state.engine.sampler_for(s.effort, **s.rule())
+  call = tools_lib.grammar(tools_lib.one_call(tools), opened=True)
+  probe_tokens = len(state.engine.encode("\n\n" + tools_lib.OPEN, add_bos=False))  # whitespace, then a tag
 
   def then(text: str, used: int):
     room = first.max_tokens - used - tag
@@ -662,9 +673,17 @@ def _calls_after(state: ServerState, first: EngineRequest, s: Sampling, tools: t
     ids = list(first.prompt_ids) + state.engine.encode(text + tools_lib.OPENED, add_bos=False)
     if len(ids) > state.engine.sc.max_prompt:  # the text re-encoded in more tokens than it was written in
       return None
-    return EngineRequest(ids, room, sampler, seed=first.seed, stop=first.stop,
-                         grammar=tools_lib.grammar(tools, opened=True), end_ids=end_ids), tag
-  return then
+    return EngineRequest(ids, room, sampler, seed=first.seed, stop=first.stop, grammar=call, end_ids=end_ids), tag
+
+  def probe(text: str, used: int):
+    if first.max_tokens - used - tag < 1:
+      return None
+    ids = list(first.prompt_ids) + state.engine.encode(text, add_bos=False)
+    if len(ids) > state.engine.sc.max_prompt:
+      return None
+    return lazy_calls.first_request(EngineRequest(ids, min(probe_tokens, first.max_tokens - used), free,
+                                                  seed=first.seed, stop=first.stop))
+  return then, probe if tools.parallel else None
 
 
 async def _whole(a: _Answer) -> JSONResponse:

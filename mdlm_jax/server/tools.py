@@ -101,6 +101,13 @@ def parse(body: dict) -> Tools | None:
   return Tools(tuple(tools), choice, named, parallel)
 
 
+def one_call(tools: Tools) -> Tools:
+  """The same tools with one call an answer: the grammar of each call of a
+  lazily constrained answer (`lazy_calls`), which asks the model itself
+  whether another follows."""
+  return dataclasses.replace(tools, parallel=False)
+
+
 def grammar(tools: Tools, opened: bool = False) -> Grammar | None:
   """The grammar of an answer under `tools.choice` (None for `none`), or
   with `opened` of what follows a call's opening tag and newline, the

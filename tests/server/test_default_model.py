@@ -41,6 +41,18 @@ def _stream(client, **kw):
   return text, list(calls.values()), finish
 
 
+def _calls(client, stream, **kw):
+  """(name, city) of each call of an answer that must end in calls, streamed or not."""
+  if stream:
+    _, calls, finish = _stream(client, **kw)
+  else:
+    r = client.chat.completions.create(model="a2d_smollm2", **kw)
+    finish = r.choices[0].finish_reason
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+  assert finish == "tool_calls"
+  return [(c["name"], json.loads(c["arguments"])["city"]) for c in calls]
+
+
 def test_it_writes_code(client):
   r = client.chat.completions.create(model="a2d_smollm2", max_tokens=96, messages=[
       {"role": "user", "content": "Write a Python function that reverses a list."}])
@@ -51,15 +63,8 @@ def test_it_writes_code(client):
 def test_it_calls_a_tool(client, stream):
   kw = dict(max_tokens=64, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}])
-  if stream:
-    _, calls, finish = _stream(client, **kw)
-  else:
-    r = client.chat.completions.create(model="a2d_smollm2", **kw)
-    finish = r.choices[0].finish_reason
-    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
-  assert finish == "tool_calls"
-  assert calls and calls[0]["name"] == "get_weather"
-  assert isinstance(json.loads(calls[0]["arguments"])["city"], str)
+  calls = _calls(client, stream, **kw)
+  assert calls and calls[0][0] == "get_weather" and isinstance(calls[0][1], str)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -93,3 +98,15 @@ def test_auto_decodes_free_until_a_call_opens(client, stream):
     calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
   assert finish == "tool_calls" and not text
   assert calls and all(c["name"] == "get_weather" and json.loads(c["arguments"]) == {"city": "Paris"} for c in calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_further_call_comes_where_the_model_opens_one(client, stream):
+  """Parallel calls allowed: after each call the model, free, says whether another follows
+  (`server/lazy_calls.py`). Asked one thing it makes one call (under a grammar that chose for it, it
+  repeated its call); nudged to open tags (a bias on "<"), it asks for both cities."""
+  kw = dict(max_tokens=128, tools=[WEATHER], tool_choice="required", temperature=0)
+  assert _calls(client, stream, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                **kw) == [("get_weather", "Paris")]
+  assert _calls(client, stream, messages=[{"role": "user", "content": "Weather in Berlin and in Rome?"}],
+                logit_bias={"44": 6}, **kw) == [("get_weather", "Berlin"), ("get_weather", "Rome")]

@@ -31,7 +31,7 @@ class FakeHandle:
     self.cancelled = True
 
 
-def _pair(max_tokens=32, tag=3):
+def _pair(max_tokens=32, tag=3, probing=False, calling=False):
   first = FakeHandle(Request([1, 2], max_tokens, sampler=None))
   made, submitted = [], []
 
@@ -45,7 +45,14 @@ def _pair(max_tokens=32, tag=3):
     submitted.append(FakeHandle(r))
     return submitted[-1]
 
-  return lazy_calls.LazyCalls(first, submit, then), first, made, submitted
+  def probe(text, used):
+    if max_tokens - used - tag < 1:
+      return None
+    made.append(("probe", text, used))
+    return Request([1, 2, 8], min(7, max_tokens - used), sampler=None, stop=(tools.OPEN,))
+
+  return (lazy_calls.LazyCalls(first, submit, then, probe if probing else None, calling=calling), first, made,
+          submitted)
 
 
 def test_first_request_stops_at_the_opening_tag_without_a_grammar():
@@ -120,3 +127,74 @@ def test_finish_names_the_stop_string_that_cut_it():
   assert finish(Tok, ids, max_tokens=9, stop=("c", "cde")).stopped_by == "cde"  # the longest at the cut
   assert finish(Tok, ids, max_tokens=9, stop=("zz",)).stopped_by is None
   assert dataclasses.replace(finish(Tok, [1, 0, 2], max_tokens=9), tokens=[]).stopped_by is None  # EOS
+
+
+CALL = '{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+def test_a_probe_that_opens_a_tag_after_whitespace_starts_another_call():
+  """tool_choice required, parallel: the first call, a probe that opens a second, the second call, and a
+  probe that writes prose: the answer is the two calls, the second probe's text and tokens left out."""
+  lazy, first, made, submitted = _pair(max_tokens=64, probing=True, calling=True)
+  woken = []
+  lazy.add_listener(lambda: woken.append(1), end_only=True)
+  first.push(Event("delta", tools.OPENED, passes=1), Event("done", tools.OPENED + CALL, "stop", completion_tokens=9,
+                                                           passes=4))
+  assert [(e.kind, e.text) for e in lazy.poll()] == [("delta", tools.OPENED)]  # the call's end is withheld
+  assert made == [("probe", tools.OPENED + CALL, 9)] and len(submitted) == 1 and submitted[0].listeners
+  probe = submitted[0]
+  probe.push(Event("delta", "\n", passes=1), Event("done", "\n", "stop", completion_tokens=1, passes=1,
+                                                   stopped_by=tools.OPEN))
+  so_far = tools.OPENED + CALL + "\n"
+  assert [(e.kind, e.text, e.passes) for e in lazy.poll()] == [("delta", "\n" + tools.OPENED, 5)]
+  assert made[-1] == (so_far, 10) and len(submitted) == 2
+  second = submitted[1]
+  assert second.request.max_tokens == 64 - 10 - 3
+  second.push(Event("done", CALL, "stop", completion_tokens=9, passes=3))
+  assert lazy.poll() == [] and made[-1] == ("probe", so_far + tools.OPENED + CALL, 22)
+  submitted[2].push(Event("done", "\n\nThe weather", "length", completion_tokens=4, passes=2))
+  (done,) = lazy.poll()
+  assert done.kind == "done" and done.finish_reason == "stop"
+  assert done.text == so_far + tools.OPENED + CALL and done.completion_tokens == 22 and done.passes == 10
+  assert [c.name for c in tools.split(done.text)[1]] == ["f", "f"]
+  assert len(woken) == 4  # each request's end wakes the poller
+
+
+def test_a_probe_ending_the_turn_ends_the_answer_and_one_call_asks_no_probe():
+  lazy, first, made, submitted = _pair(probing=True, calling=True)
+  first.push(Event("done", tools.OPENED + CALL, "stop", completion_tokens=9, passes=4))
+  assert lazy.poll() == []
+  submitted[0].push(Event("done", "", "stop", completion_tokens=1, passes=1))  # the end of the turn
+  (done,) = lazy.poll()
+  assert done.text == tools.OPENED + CALL and done.finish_reason == "stop" and done.completion_tokens == 9
+  lazy, first, made, submitted = _pair(probing=False, calling=True)  # parallel_tool_calls false
+  first.push(Event("done", tools.OPENED + CALL, "stop", completion_tokens=9, passes=4))
+  (done,) = lazy.poll()
+  assert done.text == tools.OPENED + CALL and not submitted
+
+
+def test_a_probe_with_text_before_its_tag_or_no_room_opens_no_call():
+  lazy, first, made, submitted = _pair(probing=True, calling=True)
+  first.push(Event("done", tools.OPENED + CALL, "stop", completion_tokens=9, passes=4))
+  lazy.poll()
+  submitted[0].push(Event("done", "\nOK", "stop", completion_tokens=2, passes=1, stopped_by=tools.OPEN))
+  (done,) = lazy.poll()
+  assert done.text == tools.OPENED + CALL and len(submitted) == 1
+  # room for the probe's whitespace but not for another call's tag: the answer is cut where the call closed
+  lazy, first, made, submitted = _pair(max_tokens=13, probing=True, calling=True)
+  first.push(Event("done", tools.OPENED + CALL, "stop", completion_tokens=9, passes=4))
+  lazy.poll()
+  submitted[0].push(Event("done", "\n", "stop", completion_tokens=1, passes=1, stopped_by=tools.OPEN))
+  (done,) = lazy.poll()
+  assert done.finish_reason == "length" and done.text == tools.OPENED + CALL and done.completion_tokens == 9
+
+
+def test_an_answer_cancelled_while_probing_ends_cancelled():
+  lazy, first, made, submitted = _pair(probing=True, calling=True)
+  first.push(Event("done", tools.OPENED + CALL, "stop", completion_tokens=9, passes=4))
+  lazy.poll()
+  lazy.cancel()
+  assert submitted[0].cancelled and not first.cancelled
+  submitted[0].push(Event("done", "\n", "cancelled", passes=1, stopped_by=tools.OPEN))
+  (done,) = lazy.poll()
+  assert done.finish_reason == "cancelled" and len(submitted) == 1
