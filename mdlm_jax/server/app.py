@@ -181,10 +181,11 @@ async def _chat(state: ServerState, request: Request):
   s.stop = tuple(dict.fromkeys(s.stop + stops))
   ids = state.engine.encode(prompt, add_bos=add_bos)
   # auto: free text first, then each call under its grammar from an opening tag on; required: the
-  # calls alone; after each call a free probe says whether another opens. Wherever every continuation
-  # of the answer fits a prompt (`lazy_calls`); else one request under one grammar.
-  lazy = (calling and tools.choice in ("auto", "required") and not s.revise
-          and len(ids) + s.max_tokens <= state.engine.sc.max_prompt)
+  # calls alone; after each call a free probe says whether another opens (`lazy_calls`). auto only
+  # where every continuation of the answer fits a prompt, else one request under one lazy grammar;
+  # required always: where the answer so far no longer fits a prompt, it ends at its last call.
+  lazy = calling and not s.revise and (tools.choice == "required" or (
+      tools.choice == "auto" and len(ids) + s.max_tokens <= state.engine.sc.max_prompt))
   if lazy:
     grammar = tools_lib.grammar(tools_lib.one_call(tools)) if tools.choice == "required" else None
   else:
@@ -679,7 +680,7 @@ def _calls_after(state: ServerState, first: EngineRequest, s: Sampling, tools: t
     if first.max_tokens - used - tag < 1:
       return None
     ids = list(first.prompt_ids) + state.engine.encode(text, add_bos=False)
-    if len(ids) > state.engine.sc.max_prompt:
+    if len(ids) + probe_tokens + tag > state.engine.sc.max_prompt:  # no room to go on with a call it opens
       return None
     return lazy_calls.first_request(EngineRequest(ids, min(probe_tokens, first.max_tokens - used), free,
                                                   seed=first.seed, stop=first.stop))
