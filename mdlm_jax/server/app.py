@@ -180,14 +180,14 @@ async def _chat(state: ServerState, request: Request):
     stops += (tools_lib.OPEN,)  # tool_choice none: the answer ends before any call
   s.stop = tuple(dict.fromkeys(s.stop + stops))
   ids = state.engine.encode(prompt, add_bos=add_bos)
-  # auto: free text first, then each call under its grammar from an opening tag on; required: the
-  # calls alone; after each call a free probe says whether another opens (`lazy_calls`). auto only
-  # where every continuation of the answer fits a prompt, else one request under one lazy grammar;
-  # required always: where the answer so far no longer fits a prompt, it ends at its last call.
-  lazy = calling and not s.revise and (tools.choice == "required" or (
-      tools.choice == "auto" and len(ids) + s.max_tokens <= state.engine.sc.max_prompt))
+  # Each call under the grammar of one call, and after each a free probe says whether another opens
+  # (`lazy_calls`); where the answer so far no longer fits a prompt, it ends at its last call. auto:
+  # the text first as a free request where every continuation of it fits a prompt, else the text and
+  # the first call as one request under the lazy grammar of one call; required: the calls alone.
+  lazy = calling and not s.revise and tools.choice in ("auto", "required")
   if lazy:
-    grammar = tools_lib.grammar(tools_lib.one_call(tools)) if tools.choice == "required" else None
+    free_text = tools.choice == "auto" and len(ids) + s.max_tokens <= state.engine.sc.max_prompt
+    grammar = None if free_text else tools_lib.grammar(tools_lib.one_call(tools))
   else:
     grammar = tools_lib.grammar(tools) if calling else guide
   return await _generate(state, request, "chat", [Prompt(ids)], s, grammar=grammar,
@@ -643,7 +643,7 @@ async def _generate(state: ServerState, request: Request, kind: str, prompts: li
       thens = [_calls_after(state, r, s, lazy_tools, end_ids) for r in reqs]
     except ValueError as e:  # settings the calls' decoding does not take
       raise APIError(400, str(e), code="invalid_value") from e
-    calling = lazy_tools.choice == "required"  # the answer starts with a call
+    calling = grammar is not None  # the first request is under a call's grammar already
     firsts = _submit_all(state, reqs if calling else [lazy_calls.first_request(r) for r in reqs],
                          want_drafts=s.diffusing)
     handles = [lazy_calls.LazyCalls(h, lambda r: state.engine.submit(r, want_drafts=s.diffusing), then, probe,

@@ -43,7 +43,8 @@ def first_request(request: Request) -> Request:
 
 class LazyCalls:
   """One choice as a chain of requests. `first`: the handle of the free text
-  (or, with `calling`, of the first call: tool_choice required). `submit`
+  (or, with `calling`, of a request under the grammar of one call: the call
+  alone, tool_choice required, or text and then at most one call). `submit`
   sends a request and returns its handle. `then(text, completion_tokens)`
   makes the request of a call that opens after `text` (the answer so far),
   with the tokens the tag takes, or None when no room is left. `probe(text,
@@ -91,8 +92,8 @@ class LazyCalls:
       return [self._joined(ev)]
     if self._phase == "text" and ev.stopped_by == tools_lib.OPEN:
       return self._open(self._prefix + ev.text, self._tokens + ev.completion_tokens, self._passes + ev.passes, ev)
-    if self._phase == "call" and self._probe is not None:
-      return self._closed(ev)
+    if self._phase == "call" and self._probe is not None and ev.text.rstrip().endswith(tools_lib.CLOSE):
+      return self._closed(ev)  # (an answer whose grammar let it end in prose needs no probe)
     return [self._joined(ev)]
 
   def _open(self, text: str, tokens: int, passes: int, ev: Event) -> list[Event]:

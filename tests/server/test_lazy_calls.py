@@ -198,3 +198,20 @@ def test_an_answer_cancelled_while_probing_ends_cancelled():
   submitted[0].push(Event("done", "\n", "cancelled", passes=1, stopped_by=tools.OPEN))
   (done,) = lazy.poll()
   assert done.finish_reason == "cancelled" and len(submitted) == 1
+
+
+def test_text_and_a_call_under_one_grammar_probe_only_after_the_call():
+  """tool_choice auto where the answer outgrows a prompt: the text and its first call are one
+  request under the grammar of one call; prose alone ends the answer, a closed call asks the probe."""
+  lazy, first, made, submitted = _pair(probing=True, calling=True)
+  first.push(Event("done", "It is sunny.", "stop", completion_tokens=4, passes=2, stopped_by="<|im_end|>"))
+  (done,) = lazy.poll()
+  assert done.text == "It is sunny." and done.finish_reason == "stop" and not made and not submitted
+  lazy, first, made, submitted = _pair(probing=True, calling=True)
+  first.push(Event("done", "Let me look.\n" + tools.OPENED + CALL, "stop", completion_tokens=14, passes=6))
+  assert lazy.poll() == [] and made == [("probe", "Let me look.\n" + tools.OPENED + CALL, 14)]
+  submitted[0].push(Event("done", "", "stop", completion_tokens=1, passes=1))
+  (done,) = lazy.poll()
+  assert done.text == "Let me look.\n" + tools.OPENED + CALL and done.completion_tokens == 14 and done.passes == 7
+  content, calls = tools.split(done.text)
+  assert content.strip() == "Let me look." and [c.name for c in calls] == ["f"]
