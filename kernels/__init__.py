@@ -45,8 +45,9 @@ from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, conf
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from mdlm_jax.kernels import cpu_attention
-from mdlm_jax.kernels.int8 import (LowRank, QuantizedWeight, int8_matmul, join_adapters, native_kernel_ready,
-                                   products_use_amx, quantize, stack_layers, tile_weights, untile_weights)
+from mdlm_jax.kernels.int8 import (LowRank, QuantizedWeight, int8_matmul, join_adapters, kernels_vectorized,
+                                   native_kernel_ready, products_use_amx, quantize, stack_layers, tile_weights,
+                                   untile_weights)
 from mdlm_jax.kernels.masks import AttentionMask, MaskSpec, resolve
 from mdlm_jax.kernels.sequence_parallel import sequence_parallel_attention, sequence_shards
 from mdlm_jax.kernels.numerics import LOGITS_DTYPE
@@ -283,5 +284,5 @@ __all__ = ["attention", "cache_attention", "attention_reference", "chunked_atten
            "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes",
-           "LowRank", "QuantizedWeight", "int8_matmul", "join_adapters", "native_kernel_ready", "products_use_amx",
+           "LowRank", "QuantizedWeight", "int8_matmul", "join_adapters", "native_kernel_ready", "kernels_vectorized", "products_use_amx",
            "quantize", "stack_layers", "tile_weights", "untile_weights"]

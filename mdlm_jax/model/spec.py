@@ -114,9 +114,11 @@ def next_token_view(loaded: Any) -> Any:
 def resolve_decode_dtype(loaded: Any, decode_dtype: str, layout: str | None = None) -> str:
   """`decode_dtype` itself, or for "auto" the one this model decodes fastest
   in where its params live: "w8a8" on one CPU device where the C++ int8
-  kernels build (SmolLM2-135M's AR step 1.8x llama.cpp's Q4_1 there, against
-  0.4x in float32; the text moves by rounding only, see
-  docs/weight-layouts.md), else "float32": an accelerator's products run in
+  kernels build with their vector paths (SmolLM2-135M's AR step 1.8x
+  llama.cpp's Q4_1 there, against 0.4x in float32; the text moves by
+  rounding only, see docs/weight-layouts.md), else "float32": the kernels'
+  portable loops (an AVX2 CPU) run a pass of several rows at half float32's
+  speed or less, an accelerator's products run in
   the model's own dtype, XLA:CPU's convert-then-dot without the kernels runs
   a one-row pass 8-9x slower than float32, and an int8 copy holds neither a
   model sharded over devices nor a layout other than "out_in"."""
@@ -127,7 +129,7 @@ def resolve_decode_dtype(loaded: Any, decode_dtype: str, layout: str | None = No
   first = jax.tree.leaves(loaded.params)[0]
   devices = first.sharding.device_set
   one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
-  if one_cpu and layout in (None, "out_in") and kernels.int8.native_kernel_ready():
+  if one_cpu and layout in (None, "out_in") and kernels.int8.kernels_vectorized():
     return "w8a8"
   return "float32"
 

@@ -16,6 +16,13 @@ from tests.kernels.conftest import BUILDS_GROUP
 pytestmark = pytest.mark.skipif(not kernels.native_kernel_ready(), reason="no C++ compiler on this machine")
 
 
+@pytest.fixture
+def vector_paths(monkeypatch):
+  """Which calls the kernel serves, as on a CPU it has its vector paths for (a build without them runs the
+  same values through its portable loop, which serves nothing by default)."""
+  monkeypatch.setattr(kernels.int8, "kernels_vectorized", lambda: True)
+
+
 def fresh_rng():
   seed = int(np.random.SeedSequence().entropy % 2**31)
   return np.random.default_rng(seed), seed
@@ -87,7 +94,7 @@ def test_the_kernel_built_without_avx512_computes_the_same(flags, kernels_built_
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
 
 
-def test_cache_attention_serves_a_decoding_pass_with_the_kernel_and_the_same_values(monkeypatch):
+def test_cache_attention_serves_a_decoding_pass_with_the_kernel_and_the_same_values(monkeypatch, vector_paths):
   """Through `cache_attention` as the model calls it (every layer's buffer,
   a prefix mask): the kernel's values equal XLA's path's, and the kernel is
   what ran (its answer for a query that reads nothing is zeros, XLA's the
@@ -109,7 +116,7 @@ def test_cache_attention_serves_a_decoding_pass_with_the_kernel_and_the_same_val
   np.testing.assert_array_equal(got[0, 0], 0.0)
 
 
-def test_the_kernel_path_differentiates_as_a_float64_attention():
+def test_the_kernel_path_differentiates_as_a_float64_attention(vector_paths):
   """Training through a cache differentiates the kernel's call: its
   derivatives (XLA's, a query that reads nothing having none) against float64
   central differences of the numpy attention along a random direction."""
@@ -139,7 +146,7 @@ def test_the_kernel_path_differentiates_as_a_float64_attention():
     assert not np.asarray(grads[0])[0, 0].any()  # the query that reads nothing
 
 
-def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu():
+def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu(monkeypatch, vector_paths):
   q, k, v = jnp.zeros((1, 4, 2, 8)), jnp.zeros((2, 1, 1, 8, 16)), jnp.zeros((2, 1, 1, 16, 8))
   prefix = kernels.AttentionMask(kind="prefix", q_end=jnp.ones((1, 4), jnp.int32), kv_valid=jnp.ones((1, 16), bool))
   assert cpu_attention.serves(q, k, v, 1, prefix, "xla")
@@ -150,6 +157,8 @@ def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu():
   many = jnp.zeros((1, cpu_attention.MAX_QUERIES + 1, 2, 8))
   assert not cpu_attention.serves(many, k, v, 1, prefix.replace(q_end=jnp.ones((1, many.shape[1]), jnp.int32)),
                                   "xla")
+  monkeypatch.setattr(kernels.int8, "kernels_vectorized", lambda: False)  # a build without its vector paths
+  assert not cpu_attention.serves(q, k, v, 1, prefix, "xla")
 
 
 def test_a_query_reads_the_same_bits_wherever_its_slots_sit():

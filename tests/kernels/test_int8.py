@@ -449,3 +449,18 @@ def test_the_8_bit_products_on_amx_are_the_same_bits_as_on_vnni(kernels_built_wi
     np.testing.assert_array_equal(native, vnni, err_msg=f"seed {seed}, {rows} rows")
     np.testing.assert_array_equal(native_lora, vnni_lora, err_msg=f"seed {seed}, {rows} rows, adapters")
   print("native build on AMX:", kernels.products_use_amx())
+
+
+@BUILDS_GROUP
+def test_a_build_says_whether_it_has_its_vector_paths(kernels_built_with):
+  """`CpuKernelsVectorized`: 1 where compiled for AVX-512 BW and VNNI, as /proc/cpuinfo says this CPU has
+  (`-march=native`), 0 built without AVX-512; `kernels_vectorized` reports the loaded build's."""
+  import ctypes
+  import os
+  if not os.path.exists("/proc/cpuinfo"):
+    pytest.skip("reads the CPU's flags from /proc/cpuinfo")
+  with open("/proc/cpuinfo", encoding="utf-8") as f:
+    cpu_flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+  has = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags
+  assert kernels.kernels_vectorized() == has
+  assert ctypes.cdll.LoadLibrary(kernels_built_with(("-mno-avx512f",))).CpuKernelsVectorized() == 0

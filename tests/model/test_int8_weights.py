@@ -114,25 +114,25 @@ def test_bad_decode_dtypes_are_refused(diffusion):
     Generator(diffusion, weight_layout="in_out", decode_dtype="int8")
 
 
-def test_auto_picks_w8a8_on_one_cpu_with_the_kernels_and_float32_elsewhere(diffusion, monkeypatch):
+def test_auto_picks_w8a8_on_one_cpu_with_the_kernels_vector_paths_and_float32_elsewhere(diffusion, monkeypatch):
   from mdlm_jax.model.spec import resolve_decode_dtype
   from mdlm_jax.parallel import sharding
   for explicit in ("float32", "int8", "w8a8"):
     assert resolve_decode_dtype(diffusion, explicit) == explicit
   with pytest.raises(ValueError, match="unknown decode dtype 'fp8'"):
     resolve_decode_dtype(diffusion, "fp8")
-  monkeypatch.setattr(int8, "native_kernel_ready", lambda: True)
+  monkeypatch.setattr(int8, "kernels_vectorized", lambda: True)
   assert resolve_decode_dtype(diffusion, "auto") == "w8a8"
   assert resolve_decode_dtype(diffusion, "auto", layout="out_in") == "w8a8"
   assert resolve_decode_dtype(diffusion, "auto", layout="in_out") == "float32"  # no int8 copy in that layout
   mesh = sharding.make_mesh({"data": 1, "fsdp": 4}, jax.devices()[:4])
   sharded = checkpoints.load(packaged.path(packaged.DIFFUSION), mesh=mesh)
   assert resolve_decode_dtype(sharded, "auto") == "float32"  # the int8 copy lives on one device
-  monkeypatch.setattr(int8, "native_kernel_ready", lambda: False)
-  assert resolve_decode_dtype(diffusion, "auto") == "float32"  # XLA's convert-then-dot is the slower
+  monkeypatch.setattr(int8, "kernels_vectorized", lambda: False)
+  assert resolve_decode_dtype(diffusion, "auto") == "float32"  # the kernels' portable loops are the slower
   # what the generators and the engine hold is the resolved one
   assert Generator(diffusion, decode_dtype="auto").decode_dtype == "float32"
-  monkeypatch.setattr(int8, "native_kernel_ready", lambda: True)
+  monkeypatch.setattr(int8, "kernels_vectorized", lambda: True)
   gen = Generator(diffusion, decode_dtype="auto")
   assert gen.decode_dtype == "w8a8" and isinstance(gen.loaded.params["embedding"], kernels.QuantizedWeight)
 
