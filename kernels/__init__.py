@@ -26,7 +26,8 @@ backend (the `gpu` extra), the reference elsewhere.
 
 Weight-only int8 decoding weights (`QuantizedWeight`, `int8_matmul`, with
 low-rank adapters joined in by `join_adapters`) multiply in a C++ kernel on
-CPU through the XLA FFI (`int8.py`), XLA elsewhere.
+CPU through the XLA FFI (`int8.py`), XLA elsewhere; so do a few float32 token
+rows against a weight stored [out, in] (`out_in_matmul`, `f32_rows.py`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from mdlm_jax.kernels.chunked_attention import chunked_attention, chunked_cache_
 from mdlm_jax.kernels.confidence_head import (HeadBlockSizes, HeadSettings, confidence_head_pallas,
                                               confidence_head_reference)
 from mdlm_jax.kernels.flash_attention import BlockSizes, flash_attention
-from mdlm_jax.kernels import cpu_attention
+from mdlm_jax.kernels import cpu_attention, f32_rows
 from mdlm_jax.kernels.int8 import (LowRank, QuantizedWeight, int8_matmul, join_adapters, kernels_vectorized,
                                    native_kernel_ready, products_use_amx, quantize, stack_layers, tile_weights,
                                    untile_weights)
@@ -96,6 +97,8 @@ def out_in_matmul(x2d, w_out_in, preferred_element_type=None):
   streaming each weight row once; the barrier keeps XLA from folding the
   transpose back into the product."""
   rows = x2d.shape[0]
+  if f32_rows.serves(x2d, w_out_in, preferred_element_type):  # each weight row read once for every token row
+    return f32_rows.matmul(x2d, w_out_in)
   if rows > FEW_ROWS:
     return jax.numpy.einsum("mk,nk->mn", x2d, w_out_in, preferred_element_type=preferred_element_type)
   product = jax.numpy.einsum("nk,mk->nm", w_out_in, x2d, preferred_element_type=preferred_element_type)

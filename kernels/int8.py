@@ -66,9 +66,10 @@ A8_FFI_TARGET = "mdlm_jax_int8_a8_matmul"
 A8_LORA_FFI_TARGET = "mdlm_jax_int8_a8_lora_matmul"
 BF16 = "_bf16"  # suffix of the adapted products' targets for bfloat16 adapters
 ATTENTION_FFI_TARGET = "mdlm_jax_cache_attention"  # kernels/cpu_attention.py
+F32_ROWS_FFI_TARGET = "mdlm_jax_f32_rows_matmul"  # kernels/f32_rows.py
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The CPU kernels, built into one library: these products and the decoding attention.
-_SOURCES = tuple(os.path.join(_HERE, name) for name in ("int8_matmul.cc", "cache_attention.cc"))
+_SOURCES = tuple(os.path.join(_HERE, name) for name in ("int8_matmul.cc", "cache_attention.cc", "f32_rows.cc"))
 _HEADERS = (os.path.join(_HERE, "cpu_pool.h"),)
 
 
@@ -345,6 +346,8 @@ def native_kernel_ready() -> bool:
         jax.ffi.register_ffi_target(A8_LORA_FFI_TARGET + BF16, jax.ffi.pycapsule(lib.Int8A8Bf16LoraMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_FFI_TARGET, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
+        jax.ffi.register_ffi_target(F32_ROWS_FFI_TARGET, jax.ffi.pycapsule(lib.F32RowsMatmul), platform="cpu")
+        _state["f32_rows"] = bool(lib.F32RowsVectorized())
         _state["uses_amx"] = bool(lib.Int8ProductsUseAmx())
         _state["vectorized"] = bool(lib.CpuKernelsVectorized())
         _state["ready"] = True
@@ -365,6 +368,12 @@ def kernels_vectorized() -> bool:
   the attention of 512 queries over 1,024 slots 417 ms a layer against 23
   (docs/weight-layouts.md): the kernels are then not what runs by default."""
   return native_kernel_ready() and bool(_state.get("vectorized"))
+
+
+def f32_rows_ready() -> bool:
+  """Whether the built float32 few-row products (`f32_rows.py`) are
+  vectorized (AVX2 with FMA, or AVX-512), so that they serve."""
+  return native_kernel_ready() and bool(_state.get("f32_rows"))
 
 
 def products_use_amx() -> bool:

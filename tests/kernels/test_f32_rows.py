@@ -1,0 +1,61 @@
+"""The float32 few-row products (`kernels/f32_rows.cc`) against float64 numpy on
+fresh random shapes and values; a row's bits whatever rows sit beside it; which
+products `out_in_matmul` hands them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdlm_jax import kernels
+from mdlm_jax.kernels import f32_rows
+
+pytestmark = pytest.mark.skipif(not kernels.int8.f32_rows_ready(),
+                                reason="the CPU kernels do not build vectorized on this machine")
+
+
+def fresh_rng():
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  return np.random.default_rng(seed), seed
+
+
+def test_the_products_match_float64_numpy():
+  rng, seed = fresh_rng()
+  for _ in range(4):
+    m, k, n = int(rng.integers(1, f32_rows.MAX_ROWS + 1)), int(rng.integers(1, 700)), int(rng.integers(1, 300))
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    w = rng.normal(size=(n, k)).astype(np.float32)
+    got = np.asarray(jax.jit(f32_rows.matmul)(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"seed {seed}: {m}x{k}x{n}")
+
+
+def test_a_row_has_the_same_bits_alone_or_beside_others():
+  """What revision needs of an AR step (one row) and a revising pass (several)."""
+  rng, seed = fresh_rng()
+  m, k, n = int(rng.integers(2, f32_rows.MAX_ROWS + 1)), 8 * int(rng.integers(1, 100)) + int(rng.integers(0, 8)), 97
+  x = rng.normal(size=(m, k)).astype(np.float32)
+  w = rng.normal(size=(n, k)).astype(np.float32)
+  together = np.asarray(jax.jit(f32_rows.matmul)(x, w))
+  for r in range(m):
+    np.testing.assert_array_equal(np.asarray(jax.jit(f32_rows.matmul)(x[r:r + 1], w))[0], together[r],
+                                  err_msg=f"seed {seed}: row {r} of {m}")
+
+
+def test_out_in_matmul_hands_it_few_float32_rows_and_differentiates():
+  rng, seed = fresh_rng()
+  k, n = 24, 40
+  w = jnp.asarray(rng.normal(size=(n, k)), jnp.float32)
+  few, many = jnp.ones((f32_rows.MAX_ROWS, k)), jnp.ones((f32_rows.MAX_ROWS + 1, k))
+  assert f32_rows.serves(few, w) and f32_rows.serves(few[:1], w)
+  assert not f32_rows.serves(many, w)
+  assert not f32_rows.serves(few.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  assert not f32_rows.serves(few, w, preferred_element_type=jnp.bfloat16)
+  x = jnp.asarray(rng.normal(size=(3, k)), jnp.float32)
+  hlo = jax.jit(kernels.out_in_matmul).lower(x, w).as_text()
+  assert kernels.int8.F32_ROWS_FFI_TARGET in hlo
+  weights = rng.normal(size=(3, n))
+  grads = jax.grad(lambda x, w: jnp.sum(kernels.out_in_matmul(x, w) * weights), argnums=(0, 1))(x, w)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  np.testing.assert_allclose(np.asarray(grads[0]), weights @ w64, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+  np.testing.assert_allclose(np.asarray(grads[1]), weights.T @ x64, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
