@@ -31,7 +31,8 @@ typedef __m256 Lanes;  // eight float32 lanes
 typedef float Lanes __attribute__((vector_size(32)));
 #endif
 constexpr int64_t kLanes = 8;
-constexpr int64_t kMaxRows = 8;   // token rows a call serves
+constexpr int64_t kGroupRows = 8;  // token rows whose accumulators a pass over a weight row holds
+constexpr int64_t kMaxRows = 64;   // token rows a call takes, in groups of kGroupRows
 constexpr int64_t kChunk = 32;    // output rows a task takes
 
 inline Lanes Load(const float* p) {
@@ -76,7 +77,7 @@ void Rows(const float* x, int64_t k, const float* w, int64_t o0, int64_t o1, flo
 using RowsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 
 RowsFn RowsFor(int64_t m) {
-  static constexpr RowsFn kFns[kMaxRows] = {Rows<1>, Rows<2>, Rows<3>, Rows<4>, Rows<5>, Rows<6>, Rows<7>, Rows<8>};
+  static constexpr RowsFn kFns[kGroupRows] = {Rows<1>, Rows<2>, Rows<3>, Rows<4>, Rows<5>, Rows<6>, Rows<7>, Rows<8>};
   return kFns[m - 1];
 }
 
@@ -88,15 +89,19 @@ static ffi::Error F32RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || xd[0] < 1 || xd[0] > kMaxRows) {
-    return ffi::Error::InvalidArgument("f32_rows_matmul: want x [m, k] with 1 <= m <= 8 and w [out, k]");
+    return ffi::Error::InvalidArgument("f32_rows_matmul: want x [m, k] with 1 <= m <= 64 and w [out, k]");
   }
   const int64_t m = xd[0], k = xd[1], out = wd[0];
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  const RowsFn rows = RowsFor(m);
+  // Each task's output rows for every group of token rows in turn: the groups after the first read
+  // the chunk's weight rows from cache.
   ForEachChunk(pool, (out + kChunk - 1) / kChunk, [&](int64_t c) {
-    rows(xp, k, wp, c * kChunk, std::min(out, (c + 1) * kChunk), yp, out);
+    for (int64_t r = 0; r < m; r += kGroupRows) {
+      RowsFor(std::min(kGroupRows, m - r))(xp + r * k, k, wp, c * kChunk, std::min(out, (c + 1) * kChunk),
+                                           yp + r * out, out);
+    }
   });
   return ffi::Error::Success();
 }

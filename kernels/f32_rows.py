@@ -4,9 +4,12 @@ XLA:CPU streams such a weight once for one token row, but from two rows on its
 matrix product costs more with every row: on an AVX2 CPU a revising pass of
 seven rows took 2.5 times a one-row step in the MLP's products, so float32
 revision there ran barely faster than its base. `f32_rows.cc` reads each
-weight row once for all the token rows (up to `MAX_ROWS`), and sums each row
-the same way whatever rows sit beside it: a row's product has the same bits
-in an AR step as in a revising pass.
+weight row once for a group of up to eight token rows (the groups after the
+first read it from cache), and sums each row the same way whatever rows sit
+beside it: a row's product has the same bits in an AR step as in a revising
+pass. It serves up to `MAX_ROWS` rows (an engine's two slots of a revising
+pass): on that CPU the MLP's gate and up, [3,072, 576], took 0.73 ms at 16
+rows against XLA's 0.99, and at 64 rows 2.3 against 1.9.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from jaxtyping import Array, Float
 
 from mdlm_jax.kernels import int8
 
-MAX_ROWS = 8
+MAX_ROWS = 16
 
 
 def serves(x2d, w_out_in, preferred_element_type=None) -> bool:
@@ -36,6 +39,8 @@ def serves(x2d, w_out_in, preferred_element_type=None) -> bool:
 @jax.custom_jvp
 def matmul(x2d: Float[Array, "m k"], w_out_in: Float[Array, "n k"]) -> Float[Array, "m n"]:
   """x2d [m, k] times w [n, k] transposed: [m, n] (m <= MAX_ROWS)."""
+  if not int8.native_kernel_ready():
+    raise RuntimeError("the CPU kernels could not be built: call kernels.out_in_matmul, which then takes XLA's path")
   out = jax.ShapeDtypeStruct((x2d.shape[0], w_out_in.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(int8.F32_ROWS_FFI_TARGET, out)(x2d, w_out_in)
 
