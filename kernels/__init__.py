@@ -287,5 +287,5 @@ __all__ = ["attention", "cache_attention", "attention_reference", "chunked_atten
            "flash_attention", "AttentionMask", "MaskSpec", "BlockSizes", "IMPLEMENTATIONS", "ATTENTION_IMPLEMENTATIONS",
            "HEAD_IMPLEMENTATIONS", "kernel_backend", "confidence_head", "confidence_head_pallas",
            "confidence_head_reference", "HeadInput", "HeadSettings", "HeadBlockSizes",
-           "LowRank", "QuantizedWeight", "int8_matmul", "join_adapters", "native_kernel_ready", "kernels_vectorized", "products_use_amx",
-           "quantize", "stack_layers", "tile_weights", "untile_weights"]
+           "LowRank", "QuantizedWeight", "int8_matmul", "join_adapters", "native_kernel_ready", "kernels_vectorized",
+           "products_use_amx", "quantize", "stack_layers", "tile_weights", "untile_weights"]
