@@ -33,7 +33,8 @@ typedef float Lanes __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
 constexpr int64_t kGroupRows = 8;  // token rows whose accumulators a pass over a weight row holds
 constexpr int64_t kMaxRows = 64;   // token rows a call takes, in groups of kGroupRows
-constexpr int64_t kChunk = 32;    // output rows a task takes
+constexpr int64_t kTasksPerThread = 2;  // contiguous ranges of output rows a thread's share is cut into
+constexpr int64_t kPrefetch = 256;  // floats ahead in a weight row that a step asks the cache for
 
 inline Lanes Load(const float* p) {
   Lanes v;
@@ -63,6 +64,7 @@ void Rows(const float* x, int64_t k, const float* w, int64_t o0, int64_t o1, flo
     Lanes acc[M];
     for (int r = 0; r < M; ++r) acc[r] = Lanes{0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < body; i += kLanes) {
+      if (i % (2 * kLanes) == 0) __builtin_prefetch(wo + i + kPrefetch);
       const Lanes wv = Load(wo + i);
       for (int r = 0; r < M; ++r) acc[r] = MulAdd(wv, Load(x + r * k + i), acc[r]);
     }
@@ -95,12 +97,16 @@ static ffi::Error F32RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  // Each task's output rows for every group of token rows in turn: the groups after the first read
-  // the chunk's weight rows from cache.
-  ForEachChunk(pool, (out + kChunk - 1) / kChunk, [&](int64_t c) {
+  // Each task takes one contiguous range of output rows, for every group of token rows in turn (the
+  // groups after the first read the range's weight rows from cache): a thread streams long runs of
+  // the weight, and the prefetches run ahead of it. Against tasks of 32 rows handed out in turn this
+  // cut six-row products by 13 to 17% on an AVX2 CPU (SmolLM2's shapes), one-row ones unchanged.
+  const int64_t tasks = std::min<int64_t>(out, kTasksPerThread * std::max<int64_t>(1, pool.num_threads()));
+  const int64_t per = (out + tasks - 1) / tasks;
+  ForEachChunk(pool, tasks, [&](int64_t c) {
+    const int64_t o0 = std::min(out, c * per), o1 = std::min(out, o0 + per);
     for (int64_t r = 0; r < m; r += kGroupRows) {
-      RowsFor(std::min(kGroupRows, m - r))(xp + r * k, k, wp, c * kChunk, std::min(out, (c + 1) * kChunk),
-                                           yp + r * out, out);
+      RowsFor(std::min(kGroupRows, m - r))(xp + r * k, k, wp, o0, o1, yp + r * out, out);
     }
   });
   return ffi::Error::Success();
