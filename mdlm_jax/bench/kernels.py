@@ -1,4 +1,5 @@
 """python -m mdlm_jax.bench kernels [--json] [--lengths 1024,4096,16384] [--chunked-tiles 64,128,256,512]
+    [--int8-rows 1,4,8] [--f32-rows 1,6,7 [--f32-from-cache]] [--cache-attention-fill 160,400]
 
 On a GPU or TPU: time each kernel against its XLA reference (flash attention
 forward and forward+backward, the fused confidence head), with achieved
@@ -12,6 +13,12 @@ backend (on CPU, the one that runs from CHUNKED_FROM queries).
 rows, without adapters and with rank-16 adapters on half the rows (an
 adapted model's noisy rows): what a decoding pass spends in the int8 kernel;
 --int8-activations 8 times them with 8-bit token rows (the w8a8 decode dtype).
+--f32-rows times SmolLM2-135M's float32 decoding products (`kernels/f32_rows.cc`,
+the few-row products of an AVX2 CPU's float32 decoding) at those token rows, each
+kind of weight over its 30 layers' distinct copies and the vocabulary head, with
+the read rate each reaches: how far a revising pass's rows sit from one row's
+read-bound step. --f32-from-cache reads one layer's copy 30 times instead (from
+the cache: the arithmetic's own rate).
 --cache-attention-fill times the CPU attention kernel over a decoding pass's
 cache (SmolLM2-135M's 30 layers, 9 query and 3 key/value heads of 64, eight
 token rows, a 512-slot buffer) with that many slots filled.
@@ -213,6 +220,36 @@ def time_int8_products(rows_list, repeats: int, rank: int = 16, layers: int = SM
   return out
 
 
+def time_f32_products(rows_list, repeats: int, layers: int = SMOLLM2_LAYERS, from_cache: bool = False) -> dict:
+  """Milliseconds (fastest of `repeats` and the median) and GB/s read of
+  SmolLM2-135M's float32 few-row products at each token-row count: each kind
+  of weight over `layers` distinct copies (one copy read `layers` times with
+  `from_cache`), the vocabulary head, and their sum as a pass reads them."""
+  from mdlm_jax.kernels import f32_rows
+  if not f32_rows.serves(jnp.zeros((1, 8), jnp.float32), jnp.zeros((8, 8), jnp.float32)):
+    raise ValueError("--f32-rows: the float32 few-row kernel does not serve on this machine"
+                     " (a CPU whose kernels build with AVX2 and FMA or AVX-512)")
+  bad = [m for m in rows_list if m > f32_rows.MAX_ROWS]
+  if bad:
+    raise ValueError(f"--f32-rows: the kernel takes 1 to {f32_rows.MAX_ROWS} token rows, got {bad[0]}")
+  rng = np.random.default_rng(0)
+  product = jax.jit(lambda x, ws: sum(f32_rows.matmul(x, w)[0, 0] for w in ws))
+  kinds = {name: (n, k) for name, (n, k, _) in SMOLLM2_LAYER.items()}
+  out = {"layers": layers, "from_cache": from_cache}
+  for name, (n, k) in {**kinds, "head": SMOLLM2_HEAD}.items():
+    copies = 1 if name == "head" else layers
+    stack = [jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32) for _ in range(1 if from_cache else copies)]
+    stack = stack * (copies // len(stack))
+    for m in rows_list:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      timed = _fastest_and_median_ms(product, x, stack, repeats=repeats)
+      out.setdefault(f"rows{m}", {})[name] = {**timed, "gb_per_s": copies * n * k * 4 / timed["ms"] / 1e6}
+  for m in rows_list:
+    row = out[f"rows{m}"]
+    row["pass_ms"] = sum(v["ms"] for v in row.values())
+  return out
+
+
 def time_cache_attention(fills, repeats: int, rows: int = 8, layers: int = SMOLLM2_LAYERS) -> dict:
   """Milliseconds of the CPU cache-attention kernel for one pass of
   SmolLM2-135M's shapes (fastest of `repeats` and the median) with each
@@ -261,6 +298,10 @@ def main(argv):
   p.add_argument("--int8-layers", type=int, default=SMOLLM2_LAYERS, help="layers of those products (default: all 30)")
   p.add_argument("--int8-activations", type=int, choices=(8, 16), default=16,
                  help="bits those products round the token rows to: 16 (the int8 decode dtype) or 8 (w8a8)")
+  p.add_argument("--f32-rows", default=None,
+                 help="also time SmolLM2-135M's float32 few-row products at these token rows, e.g. 1,6,7 (CPU)")
+  p.add_argument("--f32-from-cache", action="store_true",
+                 help="those products over one layer's weights read 30 times (from the cache), not 30 copies")
   p.add_argument("--cache-attention-fill", default=None,
                  help="also time the CPU attention kernel over a decoding pass's cache with these slots filled,"
                       " e.g. 160,400 (CPU)")
@@ -286,6 +327,14 @@ def main(argv):
     result["int8_products"] = time_int8_products(common.positive_ints(p, "--int8-rows", a.int8_rows),
                                                  max(a.repeats, 10), layers=a.int8_layers,
                                                  activation_bits=a.int8_activations)
+  if a.f32_from_cache and not a.f32_rows:
+    p.error("--f32-from-cache times the products --f32-rows names: give --f32-rows too")
+  if a.f32_rows:
+    try:
+      result["f32_products"] = time_f32_products(common.positive_ints(p, "--f32-rows", a.f32_rows),
+                                                 max(a.repeats, 10), from_cache=a.f32_from_cache)
+    except ValueError as e:
+      p.error(str(e))
   if a.cache_attention_fill:
     fills = common.positive_ints(p, "--cache-attention-fill", a.cache_attention_fill)
     try:

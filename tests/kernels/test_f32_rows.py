@@ -62,3 +62,20 @@ def test_out_in_matmul_hands_it_few_float32_rows_and_differentiates():
   x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
   np.testing.assert_allclose(np.asarray(grads[0]), weights @ w64, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
   np.testing.assert_allclose(np.asarray(grads[1]), weights.T @ x64, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+
+
+def test_bench_kernels_times_the_float32_products_at_each_row_count_and_rejects_too_many_rows():
+  """`bench kernels --f32-rows`: what a pass of these rows spends in the kernel."""
+  from mdlm_jax.bench import kernels as bench_kernels
+  out = bench_kernels.time_f32_products([1, 3], repeats=2, layers=2, from_cache=True)
+  assert (out["layers"], out["from_cache"]) == (2, True)
+  for m in (1, 3):
+    row = out[f"rows{m}"]
+    assert set(row) == {*bench_kernels.SMOLLM2_LAYER, "head", "pass_ms"}
+    for name, (n, k, _) in {**bench_kernels.SMOLLM2_LAYER, "head": (*bench_kernels.SMOLLM2_HEAD, 1)}.items():
+      copies = 1 if name == "head" else 2
+      assert 0 < row[name]["ms"] <= row[name]["median_ms"]
+      assert row[name]["gb_per_s"] == pytest.approx(copies * n * k * 4 / row[name]["ms"] / 1e6)
+    assert row["pass_ms"] == pytest.approx(sum(row[name]["ms"] for name in row if name != "pass_ms"))
+  with pytest.raises(ValueError, match=f"1 to {f32_rows.MAX_ROWS} token rows, got {f32_rows.MAX_ROWS + 1}"):
+    bench_kernels.time_f32_products([f32_rows.MAX_ROWS + 1], repeats=1, layers=1)
