@@ -35,6 +35,7 @@ import numpy as np
 
 from mdlm_jax import kernels
 from mdlm_jax.bench import common
+from mdlm_jax.kernels.f32_rows import MAX_ROWS as F32_MAX_ROWS
 
 MASKS = {"bidirectional": kernels.AttentionMask(), "causal": kernels.AttentionMask(kind="causal")}
 
@@ -315,6 +316,11 @@ def main(argv):
   for flag in ("batch", "heads", "head_dim", "embed_dim", "vocab", "repeats", "int8_layers"):
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+  if a.f32_from_cache and not a.f32_rows:
+    p.error("--f32-from-cache times the products --f32-rows names: give --f32-rows too")
+  f32_rows = common.positive_ints(p, "--f32-rows", a.f32_rows) if a.f32_rows else []
+  if f32_rows and max(f32_rows) > F32_MAX_ROWS:  # before any compiles
+    p.error(f"--f32-rows: the kernel takes 1 to {F32_MAX_ROWS} token rows, got {max(f32_rows)}")
   result = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
   if kernels.kernel_backend() is None:
     result.update(timed=False, note="timings need a GPU or TPU; on this backend the kernels' numerics were"
@@ -327,12 +333,9 @@ def main(argv):
     result["int8_products"] = time_int8_products(common.positive_ints(p, "--int8-rows", a.int8_rows),
                                                  max(a.repeats, 10), layers=a.int8_layers,
                                                  activation_bits=a.int8_activations)
-  if a.f32_from_cache and not a.f32_rows:
-    p.error("--f32-from-cache times the products --f32-rows names: give --f32-rows too")
   if a.f32_rows:
     try:
-      result["f32_products"] = time_f32_products(common.positive_ints(p, "--f32-rows", a.f32_rows),
-                                                 max(a.repeats, 10), from_cache=a.f32_from_cache)
+      result["f32_products"] = time_f32_products(f32_rows, max(a.repeats, 10), from_cache=a.f32_from_cache)
     except ValueError as e:
       p.error(str(e))
   if a.cache_attention_fill:
