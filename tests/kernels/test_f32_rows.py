@@ -32,8 +32,8 @@ def test_the_products_match_float64_numpy():
 
 def test_a_row_has_the_same_bits_alone_or_beside_others():
   """What revision needs of an AR step (one row) and a revising pass (several):
-  at every row count, with inputs few enough that a step takes several weight
-  rows and many enough that it takes one, and an odd number of outputs."""
+  at every row count, with token rows that fit the L1 cache and rows that
+  outgrow it, and an odd number of outputs."""
   rng, seed = fresh_rng()
   product = jax.jit(f32_rows.matmul)
   for k in (8 * int(rng.integers(1, 80)) + int(rng.integers(0, 8)), int(rng.integers(1100, 1600))):
