@@ -193,7 +193,8 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
     row_of = lambda x, axis=0: jnp.take(x, rows, axis=axis, mode="fill", fill_value=0)  # noqa: E731
     base = KVCache(k=row_of(c.k, 1), v=row_of(c.v, 1), valid=row_of(c.valid), length=row_of(c.length),
                    last_hidden=row_of(c.last_hidden))
-    _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
+    _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed,
+                                  clean=True)
     cache = c.replace(k=put(c.k, new.k, 1), v=put(c.v, new.v, 1), valid=put(c.valid, new.valid),
                       length=put(c.length, new.length), last_hidden=put(c.last_hidden, new.last_hidden))
   else:
@@ -205,7 +206,8 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
     base = KVCache(k=jnp.zeros((n, k, g, d, p), c.k.dtype), v=jnp.zeros((n, k, g, p, d), c.v.dtype),
                    valid=jnp.zeros((k, p), bool), length=jnp.zeros((k,), jnp.int32),
                    last_hidden=jnp.zeros((k, c.last_hidden.shape[1]), c.last_hidden.dtype))
-    _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed)
+    _, new = model.forward_cached(fixed, positions, base, commit=True, valid_new=valid_new, t=t, commit_len=n_fixed,
+                                  clean=True)
     valid_row = jnp.zeros((k, c.max_len), bool).at[:, :p].set(new.valid)
     cache = c.replace(k=c.k.at[:, rows, :, :, :p].set(new.k.astype(c.k.dtype), mode="drop"),
                       v=c.v.at[:, rows, :, :p, :].set(new.v.astype(c.v.dtype), mode="drop"),

@@ -199,8 +199,8 @@ class Transformer(nnx.Module):
   def forward_cached(self, tokens: Int[Array, "b t"], positions: Int[Array, "b t"], cache: KVCache, *,
                      commit: bool, valid_new: Bool[Array, "b t"] | None = None,
                      t: Float[Array, "b"] | None = None, commit_len: int | Int[Array, "b"] | None = None,
-                     new_block: int = 0, head: bool = False,
-                     last_only: bool = False) -> tuple[Float[Array, "b t v"] | HeadInput, KVCache]:
+                     new_block: int = 0, head: bool = False, last_only: bool = False,
+                     clean: bool = False) -> tuple[Float[Array, "b t v"] | HeadInput, KVCache]:
     """Logits of t new tokens that read the cache's valid filled slots and each other.
 
     The new tokens see one another causally when cfg.causal, else all of them
@@ -217,11 +217,19 @@ class Transformer(nnx.Module):
     block or the prompt (to keep) and denoises the next block. Logits are
     then returned for the tail block only, [b, new_block, v]. With `head`
     (static) a `HeadInput` replaces the logits, for a sampler's fused head.
-    `last_only` (static) returns the last column alone, [b, 1, v]: an AR
-    prefill reads nothing else, and [b, t, v] logits of a long prompt batch
-    are the largest array of the pass.
+    `last_only` (static) returns only the logits that score the token after
+    the kept ones, [b, 1, v] (from the last kept state, shifted head or
+    not): a prefill reads nothing else, and [b, t, v] logits of a long
+    prompt batch are the largest array of the pass. `clean` (static) says
+    every new token is clean: kept, or padding past `commit_len` that no
+    query reads. No product then runs the adapters, so a prefill costs
+    what the base's does; the kept rows' values are the same either way.
     """
     b, n = tokens.shape
+    if (last_only or clean) and new_block:
+      raise ValueError("last_only and clean are for a pass that only encodes (new_block=0)")
+    if clean and not commit:
+      raise ValueError("clean=True describes tokens kept in the cache: it needs commit=True")
     if valid_new is None:
       valid_new = jnp.ones((b, n), jnp.bool_)
     keep = n if commit_len is None else commit_len
@@ -234,16 +242,17 @@ class Transformer(nnx.Module):
     valid, mask = cache.attention_spec(valid_new, causal=self.cfg.causal, new_block=new_block,
                                        clean=~noisy if self.cfg.clean_causal else None)
     # The cache layout is not "queries are the last keys": causality lives in the mask.
-    x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache,
-                             noisy=noisy if self.cfg.lora_rank else None)
+    adapted = (False if clean else noisy) if self.cfg.lora_rank else None
+    x, written = self._trunk(tokens, t, positions, causal=False, mask=mask, cache=cache, noisy=adapted)
     out = x[:, n - new_block:] if new_block > 0 else x  # nobody reads the head's logits: skip its vocabulary matmul
-    if self.cfg.shift_logits:
+    if last_only:
+      # The kept tokens' last state scores the next token, shifted head or not.
+      out = _last_kept(x, keep, cache.last_hidden)[:, None]
+    elif self.cfg.shift_logits:
       # The state before the first scored token: the head's last kept token,
       # or, with nothing kept before them in this pass, the cache's last token.
       before = jnp.minimum(keep, n - new_block) if new_block > 0 else 0
       out = jnp.concatenate([_last_kept(x, before, cache.last_hidden)[:, None], out[:, :-1]], axis=1)
-    if last_only:
-      out = out[:, -1:]
     out = self.head_input(out) if head else self.logits(out)
     if not commit:
       return out, cache

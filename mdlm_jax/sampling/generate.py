@@ -20,7 +20,7 @@ from mdlm_jax.data import fim
 from mdlm_jax.data.tokenizer import never_generated
 from mdlm_jax.model.spec import bind, decoding_pair, for_decoding, resolve_decode_dtype
 from mdlm_jax.model.layers import FEW_ROWS
-from mdlm_jax.sampling.canvas import Canvas, make_canvas
+from mdlm_jax.sampling.canvas import Canvas, bucket, make_canvas
 from mdlm_jax.model.kv_cache import KVCache
 from mdlm_jax.sampling import rule
 from mdlm_jax.sampling.finish import finish
@@ -122,10 +122,13 @@ class Generator:
       def __call__(self, toks, t):
         return model(toks, t if tc else None, positions, attn_mask)
 
-      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0, head=False):
+      def cached(self, toks, pos, cache, commit, valid_new, commit_len=None, new_block=0, head=False,
+                 **prefill):
+        """`prefill`: forward_cached's `last_only` and `clean`."""
         frac = jnp.mean(toks == layout.mask_id, axis=-1).astype(jnp.float32)
         return model.forward_cached(toks, pos, cache, commit=commit, valid_new=valid_new,
-                                    t=frac if tc else None, commit_len=commit_len, new_block=new_block, head=head)
+                                    t=frac if tc else None, commit_len=commit_len, new_block=new_block, head=head,
+                                    **prefill)
 
       def speculative(self, toks, pos, cache, head_valid, widths=(), need=None):
         return model.forward_speculative(toks, pos, cache, head_valid, widths, need)
@@ -245,10 +248,11 @@ class Generator:
 
 
 def prompt_width(length: int) -> int:
-  """The padded prompt width of an AR call: a power of two from 16, so that
-  prompts of many lengths share a few compiled programs (left padding costs
-  only the prefill)."""
-  return max(16, 1 << max(length - 1, 0).bit_length())
+  """The padded prompt width of an AR call: the next multiple of 16, as the
+  diffusion canvas pads its prompts (`canvas.bucket`), so that an AR base and
+  its adapted model pay the same prefill for one prompt. (A power of two
+  shared programs among more lengths, but a 155-token prompt prefilled 256.)"""
+  return bucket(length, 16)
 
 
 class ARGenerator:

@@ -443,11 +443,11 @@ class ThresholdSampler(ConfidenceSampler):
 
     zero = jnp.zeros((B,), jnp.int32)
     if self.lookup and not self.model_drafts:
-      # Heads alone: the prompt's pass proposes the base's first token (one
-      # masked column after the prompt, scored by its last token), and the
-      # first head already carries copied and table drafts after it.
-      logits, cache = denoise.cached(tokens[:, :gs + 1], positions[:, :gs + 1], cache, True, valid[:, :gs + 1],
-                                     gs, 1)
+      # Heads alone: the prompt's pass proposes the base's first token (scored
+      # by the prompt's last state; a clean prefill, as the base's, with no
+      # adapters), and the first head already carries copied and table drafts.
+      logits, cache = denoise.cached(tokens[:, :gs], positions[:, :gs], cache, True, valid[:, :gs],
+                                     last_only=True, clean=True)
       x0, _ = self._propose(logits, pass_keys, lane[:, :1], lay, tokens, valid)
       first = drafted(rule.Verified(keep=zero, ended=zero > 0, ahead=widen(x0), n_ahead=zero), tokens, zero)
       ahead, n_ahead = first.ahead, first.n_ahead

@@ -246,8 +246,10 @@ def test_cache_under_mesh_matches_single_device():
 
 @pytest.mark.parametrize("kw", [CAUSAL, SHIFTED], ids=["causal", "shifted"])
 def test_last_only_is_the_last_column_without_the_others_logits(kw):
-  """`last_only` gives the full call's last column (same cache), and the compiled
-  prefill holds no [b, t, v] array: a long prompt batch's logits were its largest."""
+  """`last_only` gives the logits of the token after the prompt (same cache): the
+  full call's last column, or with a shifted head the next pass's first column;
+  the compiled prefill holds no [b, t, v] array: a long prompt batch's logits
+  were its largest."""
   cfg = ModelConfig(**{**BASE, **dict(kw), "vocab_size": 4096})
   spec = model_spec(cfg, None)
   params = random_params(spec.abstract, int(np.random.default_rng().integers(1 << 30)))
@@ -262,10 +264,54 @@ def test_last_only_is_the_last_column_without_the_others_logits(kw):
   full, full_cache = jax.jit(prefill, static_argnums=1)(params, False)
   last, last_cache = jax.jit(prefill, static_argnums=1)(params, True)
   assert last.shape == (b, 1, 4096)
-  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, -1:], **TOL)
+  if cfg.shift_logits:  # the prompt's last state scores the next token, as the next pass's first column
+    want, _ = bind(spec, params).forward_cached(tokens[:, :1], arange_pos(b, t, 1), full_cache, commit=False, t=time)
+    want = np.asarray(want)[:, :1]
+  else:
+    want = np.asarray(full)[:, -1:]
+  np.testing.assert_allclose(np.asarray(last), want, **TOL)
   assert_same_cache(full_cache, last_cache)
   # As an AR prefill uses it: the next token's logits, then whatever comes after.
   next_logits = jax.jit(lambda params, last_only: prefill(params, last_only)[0][:, -1], static_argnums=1)
   temp = next_logits.lower(params, True).compile().memory_analysis().temp_size_in_bytes
   logits_bytes = b * t * 4096 * 4
   assert temp < logits_bytes / 2, f"{temp} bytes of temporaries: the prompt's logits are still computed"
+
+
+def test_a_clean_prefill_runs_no_adapters_and_keeps_the_same_cache():
+  """`clean=True` (every new token kept): the same cache and next-token logits as
+  the masked adapters give (they act on no kept token), without their products:
+  NaN adapters leave it finite, and it equals the model with the adapters zeroed."""
+  cfg = ModelConfig(**{**BASE, "causal": False, "clean_causal": True, "shift_logits": True,
+                       "time_conditioning": False, "tie_embeddings": False, "lora_rank": 4})
+  spec = model_spec(cfg, None)
+  params = random_params(spec.abstract, int(np.random.default_rng().integers(1 << 30)))
+  b, t = 3, 12
+  rng = np.random.default_rng()
+  tokens = jnp.asarray(rng.integers(0, BASE["vocab_size"], size=(b, t)), jnp.int32)
+  valid = jnp.asarray(np.arange(t)[None] >= rng.integers(0, 4, size=(b, 1)))  # left padding
+  positions, cache = arange_pos(b, 0, t), KVCache.init(cfg, b, t + 4)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def prefill(params, clean):
+    return bind(spec, params).forward_cached(tokens, positions, cache, commit=True, valid_new=valid,
+                                             last_only=True, clean=clean)
+
+  masked, masked_cache = prefill(params, False)
+  clean, clean_cache = prefill(params, True)
+  np.testing.assert_array_equal(np.asarray(clean), np.asarray(masked))
+  assert_same_cache(masked_cache, clean_cache)
+  is_lora = lambda path: any("lora" in str(getattr(k, "key", "")) for k in path)  # noqa: E731
+  nan = jax.tree_util.tree_map_with_path(lambda p, x: jnp.full_like(x, jnp.nan) if is_lora(p) else x, params)
+  zero = jax.tree_util.tree_map_with_path(lambda p, x: jnp.zeros_like(x) if is_lora(p) else x, params)
+  np.testing.assert_array_equal(np.asarray(prefill(nan, True)[0]), np.asarray(clean))
+  np.testing.assert_array_equal(np.asarray(prefill(zero, False)[0]), np.asarray(clean))
+  assert not np.all(np.isfinite(np.asarray(prefill(nan, False)[0])))  # the masked path does run them
+  # The adapters do act on a token being denoised: a pass that keeps none of its tokens.
+  noisy = lambda params: bind(spec, params).forward_cached(tokens, positions, cache, commit=True,  # noqa: E731
+                                                           valid_new=valid, commit_len=0)[0]
+  assert not np.allclose(np.asarray(noisy(params)), np.asarray(noisy(zero)))
+  with pytest.raises(ValueError, match="commit=True"):
+    bind(spec, params).forward_cached(tokens, positions, cache, commit=False, clean=True)
+  with pytest.raises(ValueError, match="new_block=0"):
+    bind(spec, params).forward_cached(tokens, positions, cache, commit=True, clean=True, new_block=2)
