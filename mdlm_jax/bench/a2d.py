@@ -19,7 +19,10 @@ machine falls on every side alike:
 - held-out code completions (the held-out files of --corpus, default the
   standard library, as `bench sample` cuts them): tokens per pass and per second, the share
   that parses, and the base's perplexity of the completions (gen-PPL);
-- the speed ratio to the base at each effort;
+- the speed ratio to the base at each effort, and past each answer's first
+  token: every chat prompt is also answered by every side to its first token
+  alone (`first_token_s`, the prefill each side pays once; its share of the
+  side's time is `first_token_share`);
 - revision (`revise`: drafts kept only where the base's causal pass agrees,
   so the text is the base's own) at each of --revise-thresholds, the least
   sure a draft may be to be offered, and at each of --agreements (below 1:
@@ -190,6 +193,12 @@ def pass_bounds(rows: dict, adapted, base, tasks, decode_dtype: str = "float32")
   return out
 
 
+def past_first_token(row: dict, answers: int) -> float:
+  """Tokens/s after each answer's first token: the answers' time less the time
+  to their first tokens (`first_token_s`: the prefill), over the tokens after them."""
+  return (row["answer_tokens"] - answers) / max(row["generation_s"] - row["first_token_s"], 1e-9)
+
+
 def decoding_weight_bytes(model, decode_dtype: str = "float32") -> int:
   """The bytes of the weights a pass of `model` decoded in `decode_dtype`
   reads: the decoding copy's (`spec.for_decoding`), from its shapes alone (a
@@ -323,7 +332,7 @@ def main(argv=None):
               decode_dtype=a.decode_dtype, draft_table="+table" in name, passes_per_turn=a.passes_per_turn, **overrides)
     print(f"HumanEval chat: {', '.join(backends)}, interleaved", file=sys.stderr, flush=True)
     he = humaneval.run_chat_interleaved(backends, tasks, max_tokens=a.answer_tokens, jobs=2, timeout_s=5.0,
-                                        memory_mb=1024)
+                                        memory_mb=1024, first_token=True)
     for name, backend in backends.items():
       if hasattr(backend, "engine"):  # the engine's host work between passes, as a share of its pass turns
         he[name]["host_share"] = backend.engine.host_share()
@@ -340,6 +349,10 @@ def main(argv=None):
     if name != "base":
       he[name]["pass_vs_base"] = he[name]["passed"] / max(he["base"]["passed"], 1)
       he[name]["speed_vs_base"] = he[name]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
+      he[name]["speed_vs_base_past_first_token"] = past_first_token(he[name], len(tasks)) / max(
+          past_first_token(he["base"], len(tasks)), 1e-9)
+  for row in he.values():  # the prefill's share of each side's time
+    row["first_token_share"] = row["first_token_s"] / max(row["generation_s"], 1e-9)
   if a.code_prompts:
     import dataclasses
     config = adapted.config.copy_and_resolve_references()

@@ -481,15 +481,18 @@ def run_mode(backend, tasks: Sequence[Task], mode: str, *, samples: int, max_tok
 
 
 def run_chat_interleaved(backends: dict, tasks: Sequence[Task], *, max_tokens: int, jobs: int, timeout_s: float,
-                         memory_mb: int) -> dict[str, dict]:
+                         memory_mb: int, first_token: bool = False) -> dict[str, dict]:
   """Chat answers from several backends, as `run_mode` scores them, with each
   task answered by every backend in turn (the order rotated from task to
   task) and each answer timed alone. This machine's speed moves by up to 2x
   within minutes: runs one after another put a slow spell on one side, where
-  interleaved answers spread it over all of them."""
+  interleaved answers spread it over all of them. With `first_token` each
+  side also answers each task to its first token right after (timed alone,
+  `first_token_s`): the prompt's prefill, which every side pays once."""
   names = list(backends)
   texts = {n: [] for n in names}
   seconds = dict.fromkeys(names, 0.0)
+  first_seconds = dict.fromkeys(names, 0.0)
   decoded = {n: {"tokens": 0, "passes": 0} for n in names}
   progress = Progress("answers", len(tasks) * len(names))
   for i, task in enumerate(tasks):
@@ -499,6 +502,10 @@ def run_chat_interleaved(backends: dict, tasks: Sequence[Task], *, max_tokens: i
       seconds[n] += time.perf_counter() - t0
       texts[n].append(out[0])
       decoded[n] = {k: decoded[n][k] + stats[k] for k in decoded[n]}
+      if first_token:
+        t0 = time.perf_counter()
+        backends[n].chat([task.request], max_tokens=1, seed=0)
+        first_seconds[n] += time.perf_counter() - t0
       progress.advance()
   rows = {}
   for n in names:
@@ -508,6 +515,8 @@ def run_chat_interleaved(backends: dict, tasks: Sequence[Task], *, max_tokens: i
                "tokens_per_pass": decoded[n]["tokens"] / max(decoded[n]["passes"], 1),
                "tokens_per_s": decoded[n]["tokens"] / max(seconds[n], 1e-9), "generation_s": seconds[n],
                "answers": [a[0] for a in answers]}
+    if first_token:
+      rows[n]["first_token_s"] = first_seconds[n]
   return rows
 
 

@@ -42,6 +42,9 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   assert he["base"]["tasks"] == he["medium"]["tasks"] == 2
   assert he["base"]["tokens_per_pass"] == 1.0 and he["medium"]["tokens_per_pass"] > 0.5  # (+1 pass: the last block)
   assert he["medium"]["speed_vs_base"] > 0
+  # Every side's time to its first tokens, and the speed past them.
+  assert all(row["first_token_s"] > 0 and row["first_token_share"] > 0 for row in he.values())
+  assert he["medium"]["speed_vs_base_past_first_token"] > 0
   # Revision writes the base's greedy text, whatever drafts it, through either path: its answers are the base's.
   for name in revising + tuple(n + a2d.ENGINE for n in revising):
     assert he[name]["passed"] == he["base"]["passed"] and he[name]["answer_tokens"] == he["base"]["answer_tokens"]
@@ -66,8 +69,8 @@ class _Timed:
 
   def chat(self, requests, *, max_tokens, seed):
     import time
-    self.log.append(self.name)
-    time.sleep(self.delay)
+    self.log.append(self.name if max_tokens > 1 else self.name + "1")
+    time.sleep(self.delay if max_tokens > 1 else self.delay / 5)
     return [f"```python\ndef f():\n  return {len(self.log)}\n```"], {"tokens": 4, "passes": 2}
 
 
@@ -161,3 +164,19 @@ def test_generator_backends_sharing_a_generator_each_decode_with_their_own_draft
     out, stats = backend.chat(["r"], max_tokens=4, seed=0)
     assert out == ["r"] and stats == {"tokens": 3, "passes": 2}
   assert seen == ["table", None, "table"]
+
+
+def test_interleaved_chat_times_each_sides_first_token_right_after_its_answer():
+  from mdlm_jax.bench import humaneval
+  tasks = [humaneval.Task(f"t/{i}", "", "", "", "assert f() > 0\n", request="r", prompt="def f():\n", entry_point="f")
+           for i in range(2)]
+  log = []
+  sides = {"a": _Timed("a", log, 0.0), "b": _Timed("b", log, 0.1)}
+  rows = humaneval.run_chat_interleaved(sides, tasks, max_tokens=8, jobs=1, timeout_s=5.0, memory_mb=1024,
+                                        first_token=True)
+  assert log == ["a", "a1", "b", "b1", "b", "b1", "a", "a1"]
+  assert 0.04 <= rows["b"]["first_token_s"] < 0.2 <= rows["b"]["generation_s"]
+  assert rows["a"]["first_token_s"] < 0.04
+  # 2 answers of 4 tokens: 3 tokens each after the first, over the time past the first tokens.
+  row = {"answer_tokens": 8, "generation_s": 2.0, "first_token_s": 0.5}
+  assert a2d.past_first_token(row, 2) == pytest.approx(6 / 1.5)
