@@ -290,7 +290,10 @@ def main(argv=None):
   ar = humaneval.ARBackend(base, temperature=0.0, batch=1, decode_dtype=a.decode_dtype)
   requests = [t.request for t in tasks]
   print(f"compiling: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
-  ar.warmup(requests, max_tokens=a.answer_tokens)  # every side timed without compilation
+  # Every side timed without compilation: whole answers and answers to the first token alone
+  # (a program of its own where the answer's length is a shape).
+  for n in (a.answer_tokens, 1):
+    ar.warmup(requests, max_tokens=n)
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
   settings = {e: {"revise": False} for e in a.efforts}
@@ -325,7 +328,7 @@ def main(argv=None):
         if path == "generator":
           backends[name] = humaneval.GeneratorBackend(gen, sampler_of(name, overrides),
                                                       table if "+table" in name else None).warmup(
-              requests, max_tokens=a.answer_tokens)
+              requests, max_tokens=a.answer_tokens).warmup(requests, max_tokens=1)
         else:
           backends[name + ENGINE] = humaneval.EngineBackend(
               adapted, effort=_effort(name), temperature=0.0, slots=1, max_new_tokens=a.answer_tokens,
