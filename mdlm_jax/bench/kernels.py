@@ -17,7 +17,9 @@ adapted model's noisy rows): what a decoding pass spends in the int8 kernel;
 the few-row products of an AVX2 CPU's float32 decoding) at those token rows, each
 kind of weight over its 30 layers' distinct copies and the vocabulary head, with
 the read rate each reaches: how far a revising pass's rows sit from one row's
-read-bound step. --f32-from-cache reads one layer's copy 30 times instead (from
+read-bound step; and a whole pass's products in the model's order, the row
+counts timed in turn (`in_order`: only side by side do they compare on a
+machine whose read rate drifts). --f32-from-cache reads one layer's copy 30 times instead (from
 the cache: the arithmetic's own rate).
 --cache-attention-fill times the CPU attention kernel over a decoding pass's
 cache (SmolLM2-135M's 30 layers, 9 query and 3 key/value heads of 64, eight
@@ -248,6 +250,48 @@ def time_f32_products(rows_list, repeats: int, layers: int = SMOLLM2_LAYERS, fro
   for m in rows_list:
     row = out[f"rows{m}"]
     row["pass_ms"] = sum(v["ms"] for v in row.values())
+  out["in_order"] = time_f32_pass_in_order(rows_list, repeats, layers, from_cache, rng)
+  return out
+
+
+def time_f32_pass_in_order(rows_list, repeats: int, layers: int, from_cache: bool, rng) -> dict:
+  """Milliseconds (fastest and median) of a whole pass's float32 products in
+  the model's order (each layer's q/k/v, output, gate/up and down, then the
+  head, each product's input made from the last one's output) at each row
+  count, the row counts timed in turn for `repeats` rounds: this machine's
+  read rate drifts by half between minutes, so only counts timed side by
+  side compare. A revising pass of m columns runs m + 1 rows through the
+  head (`vs_rows1`: its time over one row's, the AR step's)."""
+  from mdlm_jax.kernels import f32_rows
+  kinds = list(SMOLLM2_LAYER.items())
+  copies = 1 if from_cache else layers
+  stack = [[jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32) for _, (n, k, _) in kinds]
+           for _ in range(copies)]
+  weights = [w for layer in range(layers) for w in stack[layer % copies]]
+  head = jnp.asarray(rng.standard_normal(SMOLLM2_HEAD) * 0.05, jnp.float32)
+
+  def chain(x, weights, head):
+    h = x
+    for w in weights:
+      y = f32_rows.matmul(jnp.resize(h, (h.shape[0], w.shape[1])), w)
+      h = x + 1e-3 * y[:, :x.shape[1]]
+    rows = jnp.concatenate([h, h[:1]]) if h.shape[0] > 1 else h
+    return f32_rows.matmul(rows, head)[:, 0].sum()
+
+  chain = jax.jit(chain)
+  xs = {m: jnp.asarray(rng.standard_normal((m, SMOLLM2_HEAD[1])), jnp.float32) for m in rows_list}
+  times = {m: [] for m in rows_list}
+  for m in rows_list:
+    jax.block_until_ready(chain(xs[m], weights, head))  # compile and warm up
+  for _ in range(repeats):
+    for m in rows_list:
+      t0 = time.perf_counter()
+      jax.block_until_ready(chain(xs[m], weights, head))
+      times[m].append(time.perf_counter() - t0)
+  out = {f"rows{m}": {"ms": 1e3 * min(t), "median_ms": 1e3 * float(np.median(t))} for m, t in times.items()}
+  if 1 in rows_list:
+    for m in rows_list:
+      out[f"rows{m}"]["vs_rows1"] = float(np.median(times[m]) / np.median(times[1]))
   return out
 
 

@@ -77,5 +77,11 @@ def test_bench_kernels_times_the_float32_products_at_each_row_count_and_rejects_
       assert 0 < row[name]["ms"] <= row[name]["median_ms"]
       assert row[name]["gb_per_s"] == pytest.approx(copies * n * k * 4 / row[name]["ms"] / 1e6)
     assert row["pass_ms"] == pytest.approx(sum(row[name]["ms"] for name in row if name != "pass_ms"))
+  in_order = out["in_order"]
+  assert set(in_order) == {"rows1", "rows3"}
+  for m in (1, 3):
+    assert 0 < in_order[f"rows{m}"]["ms"] <= in_order[f"rows{m}"]["median_ms"]
+  assert in_order["rows1"]["vs_rows1"] == 1.0
+  assert in_order["rows3"]["vs_rows1"] == pytest.approx(in_order["rows3"]["median_ms"] / in_order["rows1"]["median_ms"])
   with pytest.raises(ValueError, match=f"1 to {f32_rows.MAX_ROWS} token rows, got {f32_rows.MAX_ROWS + 1}"):
     bench_kernels.time_f32_products([f32_rows.MAX_ROWS + 1], repeats=1, layers=1)
