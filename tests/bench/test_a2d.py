@@ -32,7 +32,7 @@ def test_the_adapted_model_is_set_beside_its_base(tiny_checkpoints, cache, tmp_p
   draft_table.save(table, os.path.join(folder, draft_table.FILE_NAME))
   a2d.main([f"--checkpoint={folder}", f"--cache={cache}", "--limit=2", "--answer-tokens=8", "--efforts=medium",
             "--code-prompts=2", "--prompt-tokens=16", "--new-tokens=8", "--lookups=0,2", "--draft-tables=on,off",
-            "--json", f"--png={tmp_path / 'a2d.png'}"])
+            "--first-token", "--json", f"--png={tmp_path / 'a2d.png'}"])
   res = json.loads(capsys.readouterr().out)
   he = res["humaneval_chat"]
   revising = ("0.3+revise", "0.3+revise+lookup2", "0.3+revise+lookup2+table")
