@@ -35,7 +35,12 @@ namespace {
 // rows six times, most of the kernel's time, profiled). Up to 12 queries take
 // 32 slots a step (2 * 12 sums and two rows of keys in the 32 vector
 // registers), more take 16.
+#if defined(__AVX512F__)
 constexpr int64_t kMaxQueries = 24;
+#else
+// With AVX2's 16 registers: 12 sums, a key row and a query's broadcast.
+constexpr int64_t kMaxQueries = 12;
+#endif
 // Steps of slots between a key row's loads and its prefetch: the keys are
 // d rows of the layer's buffer s slots apart, too many streams for the
 // hardware prefetcher, and a step's values are prefetched into L2 with its
@@ -118,6 +123,68 @@ constexpr SumValuesFn kSumValues[kMaxWidth] = {
     SumValues<7, QueriesAtWidth(7)>, SumValues<8, QueriesAtWidth(8)>};
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define MDLM_JAX_ATTENTION_AVX2 1
+// e^x in 8 lanes, as Exp above (2^n built in the exponent bits: n >= -126
+// where x >= -87, so the scaling is exact as scalef's); lanes below -87 give 0.
+inline __m256 Exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.0f);
+  const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// The lanes of v added in one fixed order.
+inline float LaneSum8(__m256 v) {
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+// Lanes [0, left) of a step of 8 (a maskload's mask).
+inline __m256i FirstLanes(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Outputs [c0, c0 + 16) of Q queries into o[i][0, 16), as SumValues: the
+// sums of p[i][j] * values[j][c] over the valid slots lo <= j < end, in slot order. Sixteen
+// outputs at a time keep 2 * Q sums, two value stretches and a weight in the
+// 16 registers, and each value stretch is read once for the Q queries.
+template <int Q>
+void SumValues16(const float* const* p, int64_t lo, int64_t end, const bool* valid, const float* values, int64_t d,
+                 int64_t c0, float* const* o) {
+  __m256 acc[Q][2];
+  for (int i = 0; i < Q; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t j = lo; j < end; ++j) {
+    if (!valid[j]) continue;
+    const float* v = values + j * d + c0;
+    const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+    for (int i = 0; i < Q; ++i) {
+      const __m256 w = _mm256_broadcast_ss(p[i] + j);
+      acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < Q; ++i) {
+    _mm256_storeu_ps(o[i], acc[i][0]);
+    _mm256_storeu_ps(o[i] + 8, acc[i][1]);
+  }
+}
+constexpr int kGroup16 = 6;  // queries SumValues16 sums together
+static_assert(kGroup16 <= kMaxGroup, "the scores' scratch rows cover a group past the last query");
+#endif
+
 // Up to Q queries of one key/value head: `q` their rows (d floats each,
 // already scaled), `keys` [d, s] and `values` [s, d] of the layer, `ends`
 // each query's readable end, `valid` the slots' flags; `out` their output rows.
@@ -183,6 +250,31 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
 #pragma GCC unroll 2
       for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(scores.data() + i * reach + j + 16 * v, mask[v], acc[i][v]);
   }
+#elif defined(MDLM_JAX_ATTENTION_AVX2)
+  // As above with 8 slots a step and one key row in a register.
+  std::vector<float> qt(d * kQueries, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t c = 0; c < d; ++c) qt[c * kQueries + i] = q[i][c];
+  for (int64_t c = 0; c < d; ++c)
+    for (int64_t a = 0; a < std::min<int64_t>(reach, 16 * kPrefetchSteps); a += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(keys + c * s + a), _MM_HINT_T0);
+  for (; j < reach; j += 8) {
+    const __m256i mask = FirstLanes(reach - j);
+    __m256 acc[kQueries];
+    for (int64_t i = 0; i < kQueries; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; ++c) {
+      const float* row = keys + c * s + j;
+      const float* qc = qt.data() + c * kQueries;
+      if (j % 16 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPrefetchSteps), _MM_HINT_T0);
+        // The next two steps' values, a line for each key row read: 16 slots of d floats.
+        _mm_prefetch(reinterpret_cast<const char*>(values + j * d + 16 * c), _MM_HINT_T1);
+      }
+      const __m256 k = _mm256_maskload_ps(row, mask);
+      for (int64_t i = 0; i < kQueries; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(qc + i), k, acc[i]);
+    }
+    for (int64_t i = 0; i < kQueries; ++i) _mm256_maskstore_ps(scores.data() + i * reach + j, mask, acc[i]);
+  }
 #else
   for (int64_t i = 0; i < nq; ++i)
     for (j = 0; j < reach; ++j) {
@@ -222,6 +314,17 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       tops = _mm512_max_ps(tops, v);
     }
     top = _mm512_reduce_max_ps(tops);
+#elif defined(MDLM_JAX_ATTENTION_AVX2)
+    __m256 tops = _mm256_set1_ps(kMasked);
+    const __m256 masked = _mm256_set1_ps(kMasked);
+    for (; j + 8 <= ends[i]; j += 8) {
+      const __m256i flags = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(valid + j)));
+      const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256()));
+      const __m256 v = _mm256_blendv_ps(masked, _mm256_loadu_ps(row + j), ok);
+      _mm256_storeu_ps(row + j, v);
+      tops = _mm256_max_ps(tops, v);
+    }
+    for (int a = 0; a < 8; ++a) top = std::max(top, tops[a]);
 #endif
     for (; j < ends[i]; ++j) {
       if (!valid[j]) row[j] = kMasked;
@@ -244,6 +347,15 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
       sum = _mm512_add_ps(sum, e);
     }
     total = _mm512_reduce_add_ps(sum);
+#elif defined(MDLM_JAX_ATTENTION_AVX2)
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (; j + 8 <= ends[i]; j += 8) {
+      const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+      _mm256_storeu_ps(row + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total = LaneSum8(sum);
 #endif
     for (; j < ends[i]; ++j) {
       row[j] = std::exp(row[j] - top);
@@ -266,6 +378,20 @@ void Queries(const float* const* q, int64_t nq, const float* keys, const float* 
     for (int64_t i = 0; i < nq; i += group) kSumValues[width - 1](ps + i, lo, reach, valid, values, os + i);
     return;
   }
+#elif defined(MDLM_JAX_ATTENTION_AVX2)
+  if (d % 16 == 0) {
+    float sink[(kQueries + kMaxGroup) * 16];  // the outputs of absent queries, 16 at a time
+    const float* ps[kQueries + kMaxGroup];
+    float* os[kQueries + kMaxGroup];
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+      for (int64_t i = 0; i < kQueries + kMaxGroup; ++i) {
+        ps[i] = scores.data() + i * reach;
+        os[i] = i < nq ? out[i] + c0 : sink + i * 16;
+      }
+      for (int64_t i = 0; i < nq; i += kGroup16) SumValues16<kGroup16>(ps + i, lo, reach, valid, values, d, c0, os + i);
+    }
+    return;
+  }
 #endif
   for (int64_t i = 0; i < nq; ++i) {
     const float* row = scores.data() + i * reach;
@@ -286,7 +412,7 @@ using QueriesFn = void (*)(const float* const*, int64_t, const float*, const flo
                            int64_t, int64_t, float* const*);
 constexpr QueriesFn kQueriesFns[] = {Queries<2>,  Queries<4>,  Queries<6>,  Queries<8>,  Queries<10>,
                                      Queries<12>, Queries<15>, Queries<18>, Queries<21>, Queries<24>};
-static_assert(kBlockSizes[9] == kMaxQueries, "the largest block is kMaxQueries");
+static_assert(kBlockSizes[5] == 12 && kBlockSizes[9] == 24, "blocks end at each vector width's kMaxQueries");
 inline QueriesFn QueriesFor(int64_t n) {
   int k = 0;
   while (kBlockSizes[k] < n) ++k;
@@ -360,3 +486,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttention, CacheAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("scale"));
+
+// Whether this build vectorizes the attention (AVX-512, or AVX2 with FMA):
+// elsewhere XLA's dots serve, faster than the portable loops.
+extern "C" int CacheAttentionVectorized() {
+#if defined(__AVX512F__) || defined(MDLM_JAX_ATTENTION_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}

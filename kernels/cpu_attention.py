@@ -29,16 +29,16 @@ MAX_QUERIES = int8.KERNEL_MAX_ROWS
 
 def serves(q, k_cache, v_cache, layer, mask, implementation: str) -> bool:
   """Whether the kernel runs this `cache_attention` call: on CPU, built with
-  its vector paths (`int8.kernels_vectorized`; its portable loop is slower
-  than XLA's dots at every shape measured), float32, every layer's buffer
-  with `layer` given, a prefix mask without segments, few queries, no device
-  mesh of more than one device."""
+  its vector paths (`int8.attention_ready`: AVX2 with FMA, or AVX-512; its
+  portable loop is slower than XLA's dots at every shape measured), float32,
+  every layer's buffer with `layer` given, a prefix mask without segments,
+  few queries, no device mesh of more than one device."""
   mesh = jax.sharding.get_abstract_mesh()
   return (implementation == "xla" and jax.default_backend() == "cpu" and layer is not None
           and isinstance(mask, AttentionMask) and mask.kind == "prefix" and not mask.has_segments
           and q.ndim == 4 and k_cache.ndim == 5 and q.shape[1] <= MAX_QUERIES
           and all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache))
-          and (mesh is None or mesh.empty or mesh.size == 1) and int8.kernels_vectorized())
+          and (mesh is None or mesh.empty or mesh.size == 1) and int8.attention_ready())
 
 
 def cpu_cache_attention(q: Float[Array, "b l h d"], k_cache: Float[Array, "n B g d s"],

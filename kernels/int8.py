@@ -350,6 +350,7 @@ def native_kernel_ready() -> bool:
         _state["f32_rows"] = bool(lib.F32RowsVectorized())
         _state["uses_amx"] = bool(lib.Int8ProductsUseAmx())
         _state["vectorized"] = bool(lib.CpuKernelsVectorized())
+        _state["attention"] = bool(lib.CacheAttentionVectorized())
         _state["ready"] = True
       except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         print(f"the CPU kernels could not be built ({e}): int8 products use XLA's slower convert-then-dot"
@@ -368,6 +369,12 @@ def kernels_vectorized() -> bool:
   the attention of 512 queries over 1,024 slots 417 ms a layer against 23
   (docs/weight-layouts.md): the kernels are then not what runs by default."""
   return native_kernel_ready() and bool(_state.get("vectorized"))
+
+
+def attention_ready() -> bool:
+  """Whether the built decoding attention (`cpu_attention.py`) is vectorized
+  (AVX2 with FMA, or AVX-512), so that it serves."""
+  return native_kernel_ready() and bool(_state.get("attention"))
 
 
 def f32_rows_ready() -> bool:

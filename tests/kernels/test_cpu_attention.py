@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not kernels.native_kernel_ready(), reason="no C+
 def vector_paths(monkeypatch):
   """Which calls the kernel serves, as on a CPU it has its vector paths for (a build without them runs the
   same values through its portable loop, which serves nothing by default)."""
-  monkeypatch.setattr(kernels.int8, "kernels_vectorized", lambda: True)
+  monkeypatch.setattr(kernels.int8, "attention_ready", lambda: True)
 
 
 def fresh_rng():
@@ -80,14 +80,16 @@ def test_the_kernel_equals_a_float64_softmax_attention_on_random_masks():
 
 @BUILDS_GROUP
 @pytest.mark.slow  # a second kernel build and 9 s
-@pytest.mark.parametrize("flags", [("-mno-avx512f",)], ids=["no-avx512"])
-def test_the_kernel_built_without_avx512_computes_the_same(flags, kernels_built_with):
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["no-avx512", "no-avx2"])
+def test_the_kernel_built_without_its_widest_vectors_computes_the_same(flags, kernels_built_with):
   lib = ctypes.cdll.LoadLibrary(kernels_built_with(flags))
-  jax.ffi.register_ffi_target("test_cache_attention_plain", jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
+  target = "test_cache_attention" + "".join(flags).replace("-", "_")  # one registration a build
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.CacheAttention), platform="cpu")
   rng, seed = fresh_rng()
   q, keys, values, layer, q_end, kv_valid = random_case(rng)
   out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-  got = jax.ffi.ffi_call("test_cache_attention_plain", out)(
+  got = jax.ffi.ffi_call(target, out)(
       jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(q_end), jnp.asarray(kv_valid),
       layer=np.int64(layer), scale=np.float32(q.shape[-1] ** -0.5))
   want = numpy_attention(q, keys, values, layer, q_end, kv_valid)
@@ -157,7 +159,7 @@ def test_the_kernel_serves_only_float32_prefix_masks_of_few_queries_on_cpu(monke
   many = jnp.zeros((1, cpu_attention.MAX_QUERIES + 1, 2, 8))
   assert not cpu_attention.serves(many, k, v, 1, prefix.replace(q_end=jnp.ones((1, many.shape[1]), jnp.int32)),
                                   "xla")
-  monkeypatch.setattr(kernels.int8, "kernels_vectorized", lambda: False)  # a build without its vector paths
+  monkeypatch.setattr(kernels.int8, "attention_ready", lambda: False)  # a build without its vector paths
   assert not cpu_attention.serves(q, k, v, 1, prefix, "xla")
 
 

@@ -454,7 +454,8 @@ def test_the_8_bit_products_on_amx_are_the_same_bits_as_on_vnni(kernels_built_wi
 @BUILDS_GROUP
 def test_a_build_says_whether_it_has_its_vector_paths(kernels_built_with):
   """`CpuKernelsVectorized`: 1 where compiled for AVX-512 BW and VNNI, as /proc/cpuinfo says this CPU has
-  (`-march=native`), 0 built without AVX-512; `kernels_vectorized` reports the loaded build's."""
+  (`-march=native`), 0 built without AVX-512; `kernels_vectorized` reports the loaded build's, and
+  `attention_ready` and `f32_rows_ready` their AVX2 paths'."""
   import ctypes
   import os
   if not os.path.exists("/proc/cpuinfo"):
@@ -464,3 +465,6 @@ def test_a_build_says_whether_it_has_its_vector_paths(kernels_built_with):
   has = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags
   assert kernels.kernels_vectorized() == has
   assert ctypes.cdll.LoadLibrary(kernels_built_with(("-mno-avx512f",))).CpuKernelsVectorized() == 0
+  # the decoding attention and the float32 products: AVX-512, or AVX2 with FMA
+  wide = "avx512f" in cpu_flags or {"avx2", "fma"} <= cpu_flags
+  assert kernels.int8.attention_ready() == wide and kernels.int8.f32_rows_ready() == wide
