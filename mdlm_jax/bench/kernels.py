@@ -23,7 +23,8 @@ machine whose read rate drifts). --f32-from-cache reads one layer's copy 30 time
 the cache: the arithmetic's own rate).
 --cache-attention-fill times the CPU attention kernel over a decoding pass's
 cache (SmolLM2-135M's 30 layers, 9 query and 3 key/value heads of 64, eight
-token rows, a 512-slot buffer) with that many slots filled.
+token rows, a 512-slot buffer) with that many slots filled, and XLA's path
+beside it (`xla`).
 """
 
 from __future__ import annotations
@@ -299,28 +300,43 @@ def time_cache_attention(fills, repeats: int, rows: int = 8, layers: int = SMOLL
   """Milliseconds of the CPU cache-attention kernel for one pass of
   SmolLM2-135M's shapes (fastest of `repeats` and the median) with each
   count of filled slots: `rows` queries ending at the last filled slot, as a
-  revising pass's block reads the prompt and the answer so far."""
+  revising pass's block reads the prompt and the answer so far; beside it
+  (`xla`), the same attention through XLA's path (the layer's filled span
+  sliced out, dots and a softmax), the two timed in turn."""
   from mdlm_jax.kernels import cpu_attention
   heads, groups, dim, slots = 9, 3, 64, 512
   rng = np.random.default_rng(0)
   keys = jnp.asarray(rng.standard_normal((layers, 1, groups, dim, slots)), jnp.float32)
   values = jnp.asarray(rng.standard_normal((layers, 1, groups, slots, dim)), jnp.float32)
 
-  def chain(q, keys, values, mask):
-    for layer in range(layers):  # each layer's queries depend on the last's output, as in a pass
-      q = q + 1e-3 * cpu_attention.cpu_cache_attention(q, keys, values, layer, mask)
-    return q
+  def chain(attend):
+    def run(q, keys, values, mask):
+      for layer in range(layers):  # each layer's queries depend on the last's output, as in a pass
+        q = q + 1e-3 * attend(q, keys, values, layer, mask)
+      return q
+    return jax.jit(run)
 
+  kernel = chain(cpu_attention.cpu_cache_attention)
+  xla = chain(lambda q, k, v, layer, mask: kernels._xla_cache_attention(
+      q, k, v, mask, layer=layer, causal=False, implementation="xla", block_sizes=None))
   bad = [f for f in fills if not rows <= f <= slots]
   if bad:  # before any compiles
     raise ValueError(f"--cache-attention-fill: each count must be in [{rows}, {slots}], got {bad[0]}")
-  chain = jax.jit(chain)
   out = {"layers": layers, "rows": rows, "slots": slots}
   for filled in fills:
     q = jnp.asarray(rng.standard_normal((1, rows, heads, dim)), jnp.float32)
     mask = kernels.AttentionMask(kind="prefix", q_end=jnp.asarray(filled - rows + 1 + np.arange(rows))[None],
                                  kv_valid=jnp.asarray(np.arange(slots) < filled)[None])
-    out[f"filled{filled}"] = _fastest_and_median_ms(chain, q, keys, values, mask, repeats=repeats)
+    times = {"kernel": [], "xla": []}
+    for fn in (kernel, xla):
+      jax.block_until_ready(fn(q, keys, values, mask))  # compile and warm up
+    for _ in range(repeats):
+      for name, fn in (("kernel", kernel), ("xla", xla)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(q, keys, values, mask))
+        times[name].append(time.perf_counter() - t0)
+    ms = {name: {"ms": 1e3 * min(t), "median_ms": 1e3 * float(np.median(t))} for name, t in times.items()}
+    out[f"filled{filled}"] = {**ms["kernel"], "xla": ms["xla"]}
   return out
 
 

@@ -114,6 +114,7 @@ def test_bench_kernels_times_the_cache_attention_at_each_fill_and_rejects_one_pa
   assert (out["layers"], out["rows"], out["slots"]) == (2, 8, 512)
   for filled in (8, 100):
     assert 0 < out[f"filled{filled}"]["ms"] <= out[f"filled{filled}"]["median_ms"]
+    assert 0 < out[f"filled{filled}"]["xla"]["ms"] <= out[f"filled{filled}"]["xla"]["median_ms"]
   with pytest.raises(ValueError, match="in \\[8, 512\\], got 513"):
     bench_kernels.time_cache_attention([513], repeats=1, layers=1)
 
