@@ -153,25 +153,25 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(x.dtype)
 
 
-NORM_ROW_GROUP = 8
-
-
 def row_mean_square(x: Float[Array, "... d"]) -> Float[Array, "... 1"]:
   """mean(x * x) over the last axis, the same bits for a row however many rows
   come with it. XLA:CPU sums a [1, d] row in another order than the rows of an
   [8, d] array (a few ulps apart, measured), and int8 decoding's rounding of
   token rows turns such ulps into different tokens: the one-row AR step and an
-  eight-row revising pass then disagree where they must not. Rows go in groups
-  of NORM_ROW_GROUP (zero rows padding the last), one reduction shape for all.
-  Only XLA:CPU, where int8 decoding runs: elsewhere (training on a sharded
-  sequence) the plain mean keeps the activations' layout."""
+  eight-row revising pass then disagree where they must not. So on XLA:CPU
+  the sum is a fixed tree of elementwise adds (halves added lane by lane),
+  whose order no shape can change. It is no reduction either: XLA:CPU hands
+  reductions to YNNPACK, whose call cost a decoding step about 40 us a norm
+  (61 a SmolLM2 pass) for a few hundred flops. Elsewhere (training on a
+  sharded sequence) the plain mean keeps the activations' layout."""
   if jax.default_backend() != "cpu":
     return jnp.mean(x * x, axis=-1, keepdims=True)
-  lead, d = x.shape[:-1], x.shape[-1]
-  rows = math.prod(lead)
-  padded = -(-rows // NORM_ROW_GROUP) * NORM_ROW_GROUP
-  x2 = jnp.pad(x.reshape(rows, d), ((0, padded - rows), (0, 0))).reshape(-1, NORM_ROW_GROUP, d)
-  return jnp.mean(x2 * x2, axis=-1).reshape(padded)[:rows].reshape(*lead, 1)
+  d = x.shape[-1]
+  s = x * x
+  while s.shape[-1] > 1:
+    half = s.shape[-1] // 2
+    s = jnp.concatenate([s[..., :half] + s[..., half:2 * half], s[..., 2 * half:]], axis=-1)
+  return s / d
 
 
 class Attention(nnx.Module):
