@@ -48,6 +48,7 @@ class Slots:
   head: Bool[Array, "s"]  # the block before it is finished but not yet in the cache
   active: Bool[Array, "s"]  # holds a request that is still decoding
   n_blocks: Int[Array, "s"]  # blocks the request may decode
+  max_tokens: Int[Array, "s"]  # tokens it may keep: a revising row, which slides, ends there
   decoding: rule.Decoding  # each request's settings of the refinement rule
   key: jax.Array  # [s, 2] uint32: each request's PRNG key data
   passes: Int[Array, "s"]  # forward passes that carried the request
@@ -143,7 +144,7 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
   flags = lambda: jnp.zeros((s,), bool)  # noqa: E731
   return Slots(cache=KVCache.init(spec.cfg, s, sc.cache_len, per_row=True),
                gen=jnp.full((s, g), sc.mask_id, jnp.int32), prompt_len=zeros(), block=zeros(), step=zeros(),
-               head=flags(), active=flags(), n_blocks=zeros(),
+               head=flags(), active=flags(), n_blocks=zeros(), max_tokens=zeros(),
                decoding=rule.Decoding.broadcast(s, threshold=1.0, min_tokens=1),
                key=jnp.zeros((s, 2), jnp.uint32), passes=zeros(), filled=zeros(),
                ahead=jnp.zeros((s, sc.head), jnp.int32), n_ahead=zeros(),
@@ -156,7 +157,7 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
 
 def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array, "k"], fixed: Int[Array, "k p"],
           positions: Int[Array, "k p"], n_fixed: Int[Array, "k"], gen_position: Int[Array, "k"],
-          n_blocks: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array,
+          n_blocks: Int[Array, "k"], max_tokens: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array,
           last: Bool[Array, "k"] | None = None, first: Bool[Array, "k"] | None = None, table=None,
           resume: bool = False) -> Slots:
   """Resets slots `rows` and encodes each `fixed[i, :n_fixed[i]]` (the prompt,
@@ -226,6 +227,7 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
       block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, decoding.revise),
       filled=put(slots.filled, 0), n_ahead=put(slots.n_ahead, -1),
       active=put(slots.active, last), n_blocks=put(slots.n_blocks, n_blocks),
+      max_tokens=put(slots.max_tokens, max_tokens),
       decoding=jax.tree.map(put, slots.decoding, decoding), key=put(slots.key, key_data),
       passes=put(slots.passes, passes), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
       proposed=put(slots.proposed, False))
@@ -406,7 +408,7 @@ def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_co
   bs, hw = sc.block_size, sc.head
   lane = jnp.arange(hw, dtype=jnp.int32)[None]
   v = rule.verify(s.ahead, s.n_ahead, base_x0, tail_x0, tail_conf, s.decoding.threshold, sc.eos_id,
-                  jnp.where(rev, s.n_blocks * bs - s.filled, 0), odds, s.decoding.agreement)
+                  jnp.where(rev, s.max_tokens - s.filled, 0), odds, s.decoding.agreement)
   v = v.replace(ahead=jnp.pad(v.ahead, ((0, 0), (0, hw - v.ahead.shape[1]))))  # the next head: hw columns
   rows = jnp.arange(s.gen.shape[0])[:, None]
   cols = s.filled[:, None] + lane
@@ -423,7 +425,7 @@ def _revise(sc: SlotConfig, s: Slots, rev, pending, head_valid, tail_x0, tail_co
                       top_ids=put(s.top_ids, base_top[1]))
   filled = s.filled + jnp.where(rev, v.keep, 0)
   v = _with_lookup(sc, s.replace(gen=out.gen), v, filled, table)
-  ended = rev & (v.ended | (filled >= s.n_blocks * bs))
+  ended = rev & (v.ended | (filled >= s.max_tokens))
   r = rev[:, None]
   return out.replace(filled=filled, ahead=jnp.where(r, v.ahead, s.ahead), n_ahead=jnp.where(rev, v.n_ahead, s.n_ahead),
                      active=out.active & ~ended, head=out.head & ~ended, passes=out.passes + rev.astype(jnp.int32))

@@ -164,7 +164,8 @@ class Generator:
                          " suffix is encoded into the cache) or with a bidirectional sampler")
       if sampler.block_size <= 0:
         raise ValueError("block-causal decoding needs block_size > 0")
-      gen_len = -(-max_new_tokens // sampler.block_size) * sampler.block_size  # whole blocks; cut below
+      if not getattr(sampler, "revise", False):  # a revising pass slides with the text: it ends anywhere
+        gen_len = -(-max_new_tokens // sampler.block_size) * sampler.block_size  # whole blocks; cut below
     canvas = make_canvas(ids, gen_len, mask_id=self.tok.mask_id, pad_id=self.tok.pad_id, suffixes=suf)
     suffix_len = 0
     if suf is not None and any(suf):

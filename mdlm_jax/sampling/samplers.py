@@ -452,9 +452,12 @@ class ThresholdSampler(ConfidenceSampler):
       first = drafted(rule.Verified(keep=zero, ended=zero > 0, ahead=widen(x0), n_ahead=zero), tokens, zero)
       ahead, n_ahead = first.ahead, first.n_ahead
     else:
-      # The prompt is encoded and the first tokens drafted in one pass, as cached block decoding does.
-      logits, cache = denoise.cached(tokens[:, :gs + bs], positions[:, :gs + bs], cache, True, valid[:, :gs + bs],
-                                     gs, bs)
+      # The prompt is encoded and the first tokens drafted in one pass, as cached block decoding does (a
+      # masked block after the prompt, however few tokens the canvas asks for).
+      first = jnp.concatenate([tokens[:, :gs], jnp.full((B, bs), lay.mask_id, tokens.dtype)], 1)
+      first_pos = jnp.concatenate([positions[:, :gs], pos0[:, None] + lane], 1)
+      first_valid = jnp.concatenate([valid[:, :gs], jnp.ones((B, bs), bool)], 1)
+      logits, cache = denoise.cached(first, first_pos, cache, True, first_valid, gs, bs)
       x0, conf = self._propose(logits, pass_keys, lane, lay, tokens, valid)
       ahead, n_ahead = widen(x0), rule.offer(conf, self.threshold)
 

@@ -109,6 +109,21 @@ def test_passes_with_and_without_the_masked_block_are_the_generators(models, eng
   assert (engine.stats["steps_head_only"] > heads_only) == (not model_drafts)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_request_shorter_than_a_block_stops_where_it_asks(models, engine, n):
+  """A revising request slides with its text, so it ends at max_tokens, not at the block's edge: one token is
+  the prompt's pass and one more, in the engine and the generator alike."""
+  ar, adapted = models
+  base = ARGenerator(ar).generate([PROMPTS[0]], max_new_tokens=n, sampler=ARSampler(n, temperature=0.0))
+  sampler = engine.sampler_for("medium", revise=True, temperature=0.0, lookup=1, model_drafts=False)
+  got = engine.submit(Request(engine.encode(PROMPTS[0]), n, sampler, seed=0)).result(timeout=300)
+  want = Generator(adapted).generate([PROMPTS[0]], max_new_tokens=n, sampler=sampler)
+  assert got.text == want.completions[0].text == base.completions[0].text
+  assert got.passes == want.forward_passes <= 1 + n
+  if n == 1:
+    assert got.passes == 2
+
+
 def test_a_wide_head_beside_a_block_request_takes_the_generators_passes(models, engine):
   """A revising row's head wider than the block shares a pass with a row decoding blocks, whose finished block
   fills the head's first columns: each writes the generator's text, the revising row in the generator's passes

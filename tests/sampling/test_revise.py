@@ -87,6 +87,18 @@ def test_passes_keep_the_held_drafts_and_the_base_token_after_them(wrong, passes
   assert nfe == passes
 
 
+@pytest.mark.parametrize("gen_len, passes", [
+    (1, 2),  # the prompt's pass drafts t0-3; the next keeps t0 alone, all that was asked
+    (3, 2),  # t0-2 of the head's four
+    (6, 3),  # t0-3; t4-5
+])
+def test_a_generation_ends_where_it_asks_not_at_the_blocks_edge(gen_len, passes):
+  text = np.random.default_rng(gen_len).integers(0, 8, 12)
+  out, nfe = _decode(text, (), 4, gen_len=gen_len)
+  np.testing.assert_array_equal(out, text[:gen_len])
+  assert nfe == passes
+
+
 def test_every_draft_wrong_is_one_token_a_pass_after_the_first():
   text = np.random.default_rng(3).integers(0, 8, 9)
   out, nfe = _decode(text, range(20), 3)
@@ -168,7 +180,7 @@ def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_s
   ar = checkpoints.load(tiny_checkpoints["ar"])
   adapted = adapted_from(ar, block_size=block_size)
   prompts = ["def add(a, b):\n", "x = 1\ny"]
-  n = 24
+  n = 23  # not whole blocks: the text ends mid-block, where it was asked to
   want = ARGenerator(ar, decode_dtype=decode_dtype).generate(prompts, max_new_tokens=n,
                                                               sampler=ARSampler(n, temperature=0.0))
   got = Generator(adapted, decode_dtype=decode_dtype).generate(
@@ -177,6 +189,19 @@ def test_an_adapted_model_writes_its_bases_greedy_text(tiny_checkpoints, block_s
   for w, g in zip(want.completions, got.completions):
     assert g.tokens == w.tokens
   assert got.forward_passes <= n + 1
+
+
+@pytest.mark.parametrize("model_drafts", [True, False])
+def test_one_token_asked_is_the_prompts_pass_and_one_more(tiny_checkpoints, model_drafts):
+  """A revising generation slides with its text: it stops at max_new_tokens, not at the end of a block (the
+  prompt's pass still drafts a whole masked block after the prompt)."""
+  ar = checkpoints.load(tiny_checkpoints["ar"])
+  adapted = adapted_from(ar, block_size=4)
+  want = ARGenerator(ar).generate(["def add(a, b):\n"], max_new_tokens=1, sampler=ARSampler(1, temperature=0.0))
+  got = Generator(adapted).generate(["def add(a, b):\n"], max_new_tokens=1,
+                                    sampler=revising(4, lookup=2, model_drafts=model_drafts))
+  assert got.completions[0].tokens == want.completions[0].tokens and len(want.completions[0].tokens) == 1
+  assert got.forward_passes == 2
 
 
 def test_the_base_and_the_adapted_model_prefill_a_prompt_padded_alike():
