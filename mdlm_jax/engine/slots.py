@@ -318,10 +318,9 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
       valid = jnp.where(r, head_lane <= s.n_ahead[:, None], head_lane == 0)
       if sc.pass_widths:  # the narrowest pass that holds every revising row's drafts
         need = 1 + jnp.max(jnp.where(rev, s.n_ahead, 0))
-        logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache, valid, sc.pass_widths, need,
-                                                    score_first=False)
+        logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache, valid, sc.pass_widths, need)
       else:
-        logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache, valid, score_first=False)
+        logits, pending = model.forward_speculative(s.ahead, at + head_lane, s.cache, valid)
       columns = jnp.concatenate([col, col[:, :1] + s.n_ahead[:, None] + 1], 1)
     else:
       # A row decoding blocks sends its finished block in the head's first
@@ -331,11 +330,9 @@ def step(spec: ModelSpec, sc: SlotConfig, params, s: Slots, with_head: bool = Tr
                          jnp.concatenate([wide(take(s.gen, jnp.maximum(lo - bs, 0))), tail], 1))
       positions = jnp.where(r, jnp.concatenate([at + head_lane, at + s.n_ahead[:, None] + 1 + lane], 1),
                             jnp.concatenate([wide(jnp.maximum(tail_pos - bs, 0)), tail_pos], 1))
-      # A revising row's first head column is its exact token: scored only for its log-probability.
       logits, pending = model.forward_speculative(tokens, positions, s.cache,
                                                   jnp.where(r, head_lane <= s.n_ahead[:, None],
-                                                            head_valid[:, None] & (head_lane < bs)),
-                                                  score_first=logprobs)
+                                                            head_valid[:, None] & (head_lane < bs)))
       columns = jnp.where(r, jnp.concatenate([col, col[:, :bs] + s.n_ahead[:, None] + 1], 1),
                           jnp.concatenate([wide(columns - bs), columns], 1))
     keys = rule.pass_keys(s.key, jnp.where(rev, 0, s.block), jnp.where(rev, 0, s.step))  # one draw a column

@@ -262,7 +262,7 @@ class Transformer(nnx.Module):
 
   def forward_speculative(self, tokens: Int[Array, "b n"], positions: Int[Array, "b n"], cache: KVCache,
                           head_valid: Bool[Array, "b h"], widths: tuple[int, ...] = (),
-                          need=None, score_first: bool = True) -> tuple[Float[Array, "b n v"], "PendingCommit"]:
+                          need=None) -> tuple[Float[Array, "b n v"], "PendingCommit"]:
     """One pass of self-speculative decoding for an AR model adapted to
     diffusion (clean_causal, shift_logits): `tokens` are a clean head of h
     tokens (an exact token, then drafts; `head_valid` a prefix of each row)
@@ -281,12 +281,7 @@ class Transformer(nnx.Module):
     run over each row's first w columns only, w the narrowest width that
     holds `need` (`layers.Narrow`); the logits of the columns past it are
     arbitrary and never read. Where a pass costs its rows (a CPU), a head
-    with few drafts then costs a narrow pass.
-
-    `score_first` (static) False: column 0's logits are not computed (zeros).
-    Its token is exact, proposed by the pass before from the same state, so
-    verification never reads them; only its log-probability would, and the
-    vocabulary head then runs one row fewer."""
+    with few drafts then costs a narrow pass."""
     cfg = self.cfg
     if not (cfg.clean_causal and cfg.shift_logits) or cfg.time_conditioning:
       raise ValueError("speculative decoding needs an adapted AR model (model.clean_causal and shift_logits,"
@@ -310,19 +305,13 @@ class Transformer(nnx.Module):
     last = _last_kept(x[:, :h], jnp.sum(head_valid, axis=-1), cache.last_hidden)
     tail = jnp.concatenate([last[:, None], x[:, h:n - 1]], axis=1)
     pending = PendingCommit(x[:, :h], written, valid, cache)
-    skip = 0 if score_first else 1  # leading head columns left unscored
-
-    def unscored(y, width):
-      return jnp.zeros((b, width) + y.shape[2:], y.dtype)
-
     if narrow is None:
-      y = self.logits(jnp.concatenate([head[:, skip:], tail], axis=1))
-      return (jnp.concatenate([unscored(y, skip), y], axis=1) if skip else y), pending
+      return self.logits(jnp.concatenate([head, tail], axis=1)), pending
 
     def scored(w):  # the first w head columns and the base's next token, the columns between them zeros
       def run(head, tail):
-        y = self.logits(jnp.concatenate([head[:, skip:w], tail], axis=1))
-        return jnp.concatenate([unscored(y, skip), y[:, :w - skip], unscored(y, h - w), y[:, w - skip:]], axis=1)
+        y = self.logits(jnp.concatenate([head[:, :w], tail], axis=1))
+        return jnp.concatenate([y[:, :w], jnp.zeros((b, h - w) + y.shape[2:], y.dtype), y[:, w:]], axis=1)
       return run
     return narrow.by_width(scored, head, tail), pending
 

@@ -131,8 +131,7 @@ class Generator:
                                     **prefill)
 
       def speculative(self, toks, pos, cache, head_valid, widths=(), need=None):
-        # No log-probabilities here: the head's exact first token needs no logits.
-        return model.forward_speculative(toks, pos, cache, head_valid, widths, need, score_first=False)
+        return model.forward_speculative(toks, pos, cache, head_valid, widths, need)
 
       def new_cache(self, batch, max_len, per_row=False):
         return KVCache.init(cfg, batch, max_len, per_row=per_row)

@@ -467,36 +467,6 @@ def test_a_narrowed_pass_scores_its_valid_columns_as_the_full_pass_does(tiny_che
       np.testing.assert_allclose(a.k[:, r, ..., p:p + k], b.k[:, r, ..., p:p + k], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tail, widths", [(0, ()), (4, ()), (0, (1, 2, 4, 6))])
-def test_a_pass_that_skips_the_exact_first_column_scores_every_other_as_the_full_pass(tiny_checkpoints, tail,
-                                                                                     widths):
-  """`score_first=False` leaves out column 0's logits (its token is exact); the head's other columns, the base's
-  next token and a masked tail score as in the full pass, whether or not the pass is narrowed."""
-  from mdlm_jax.model.kv_cache import KVCache
-  adapted = adapted_from(checkpoints.load(tiny_checkpoints["ar"]), block_size=4)
-  few = Generator(adapted).loaded
-  model = bind(few.spec, few.params)
-  rng = np.random.default_rng()
-  v, hw, p = few.spec.cfg.vocab_size, 6, 7
-  cache = KVCache.init(few.spec.cfg, 2, 32, per_row=True)
-  prompt = jnp.asarray(rng.integers(0, v - 2, (2, p)), jnp.int32)
-  _, cache = model.forward_cached(prompt, jnp.broadcast_to(jnp.arange(p), (2, p)), cache, commit=True,
-                                  valid_new=jnp.ones((2, p), bool), commit_len=jnp.full((2,), p))
-  n_valid = jnp.asarray([2, 5])
-  tokens = jnp.concatenate([jnp.asarray(rng.integers(0, v - 2, (2, hw)), jnp.int32),
-                            jnp.full((2, tail), few.spec.cfg.vocab_size - 1, jnp.int32)], 1)
-  pos = p + jnp.arange(hw + tail)[None] + jnp.zeros((2, 1), jnp.int32)
-  valid = jnp.arange(hw)[None] < n_valid[:, None]
-  extra = (widths, jnp.max(n_valid)) if widths else ()
-  full, _ = model.forward_speculative(tokens, pos, cache, valid, *extra)
-  got, _ = model.forward_speculative(tokens, pos, cache, valid, *extra, score_first=False)
-  assert got.shape == full.shape
-  np.testing.assert_array_equal(got[:, 0], 0.0)
-  for r, k in enumerate(np.asarray(n_valid)):  # the valid columns past the first, the base's next token, the tail
-    np.testing.assert_allclose(got[r, 1:k], full[r, 1:k], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got[r, hw:], full[r, hw:], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.slow  # CI: a narrowed pass against the full one (below), and the oracle's floors
 @pytest.mark.parametrize("floor", [0.0, 0.5])
 def test_narrow_passes_write_the_bases_text_in_the_passes_full_width_ones_take(tiny_checkpoints, floor):
