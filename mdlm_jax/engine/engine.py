@@ -281,7 +281,7 @@ class Engine:
           ones = np.ones((k,), np.int32)
           self._state = programs.admit(programs.leaves, self._state, np.arange(k, dtype=np.int32),
                               np.full((k, bucket), self.tok.pad_id, np.int32),
-                              np.broadcast_to(np.arange(bucket, dtype=np.int32), (k, bucket)), ones, ones, ones, ones,
+                              np.broadcast_to(np.arange(bucket, dtype=np.int32), (k, bucket)), ones, ones, ones,
                               rule.Decoding.broadcast(k, threshold=1.0, min_tokens=1), np.zeros((k, 2), np.uint32),
                               np.ones((k,), bool), np.zeros((k,), bool), self.draft_table, resume=resume)
           self._deactivate(range(k))
@@ -746,7 +746,6 @@ class Engine:
       self.stats["prefills"] += 1
       self._state = programs.admit(programs.leaves, self._state, ints(turn.admits[i][0] for i in group), fixed, pos,
                           ints(len(rows_of[i][0]) for i in group), ints(len(r.prompt_ids) for r in requests),
-                          ints(-(-r.max_tokens // self.sc.block_size) for r in requests),
                           ints(r.max_tokens for r in requests), decoding,
                           np.stack([turn.admits[i][2] for i in group]), np.asarray([last[i] for i in group]),
                           np.asarray([_heads_first(r.sampler) for r in requests]), self.draft_table, resume=resume)

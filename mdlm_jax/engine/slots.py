@@ -157,14 +157,15 @@ def init_slots(spec: ModelSpec, sc: SlotConfig) -> Slots:
 
 def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array, "k"], fixed: Int[Array, "k p"],
           positions: Int[Array, "k p"], n_fixed: Int[Array, "k"], gen_position: Int[Array, "k"],
-          n_blocks: Int[Array, "k"], max_tokens: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array,
+          max_tokens: Int[Array, "k"], decoding: rule.Decoding, key_data: jax.Array,
           last: Bool[Array, "k"] | None = None, first: Bool[Array, "k"] | None = None, table=None,
           resume: bool = False) -> Slots:
   """Resets slots `rows` and encodes each `fixed[i, :n_fixed[i]]` (the prompt,
   after the suffix when infilling) at `positions[i]` into its cache row, all
   in one forward: on a CPU a prefill's fixed cost outweighs its tokens' until
   a few hundred tokens, so k short prompts cost little more than one. Row i's
-  generation region starts at RoPE position `gen_position[i]`; `decoding`
+  generation region starts at RoPE position `gen_position[i]`, and it may keep
+  `max_tokens[i]` tokens (blocks decode whole blocks of them); `decoding`
   and `key_data` hold the requests' settings and keys (k rows). A row equal
   to num_slots is padding: its results are dropped. A constrained request's
   first `guide` follows.
@@ -226,7 +227,7 @@ def admit(spec: ModelSpec, sc: SlotConfig, params, slots: Slots, rows: Int[Array
       # A revising row always carries a head (its first, empty): it rides every pass that has them.
       block=put(slots.block, 0), step=put(slots.step, 0), head=put(slots.head, decoding.revise),
       filled=put(slots.filled, 0), n_ahead=put(slots.n_ahead, -1),
-      active=put(slots.active, last), n_blocks=put(slots.n_blocks, n_blocks),
+      active=put(slots.active, last), n_blocks=put(slots.n_blocks, -(-max_tokens // sc.block_size)),
       max_tokens=put(slots.max_tokens, max_tokens),
       decoding=jax.tree.map(put, slots.decoding, decoding), key=put(slots.key, key_data),
       passes=put(slots.passes, passes), constrained=put(slots.constrained, False), cursor=put(slots.cursor, 0),
