@@ -87,17 +87,20 @@ constexpr int64_t kPrefetchAhead = 2048;
 // copies every accumulator in and out of spare registers each quad (24 moves
 // beside 12 vpdpbusd at six rows), and the loop stalled on the weights' loads.
 // Interleaved in one process (two builds, SmolLM2's generation on 8 held-out
-// code prompts, eight rounds): at every row count they made the one-row AR
-// step slower (4.13 -> 4.38 ms), so one row keeps 2 KB and its loop; so built,
-// a six-row pass went 9.30 -> 8.21 ms beside the step's 4.48 -> 4.41.
-constexpr int64_t kPrefetchAheadRows = 8192;
+// code prompts, eight rounds): a six-row pass went 9.30 -> 8.21 ms.
+// The 8-bit products ask for their lines into L2 (the T1 hint), not L1: on an
+// AMD Zen 4 (AVX-512, 2 cores) SmolLM2's products in a jitted loop of passes,
+// settings interleaved in one process, took 4.76 -> 4.51 ms at one token row
+// and 5.42 -> 4.92 at six (best of 12; medians 5.29 -> 4.90 and 6.70 -> 5.48),
+// with 8 KB as good as 16 or 32 KB ahead and better than no prefetch.
+constexpr int64_t kPrefetchAheadA8 = 8192;
 
 // Asks for the `lines` cache lines `ahead` bytes past `at` (a prefetch past
-// the end of an array does not fault).
-template <int64_t ahead = kPrefetchAhead>
+// the end of an array does not fault), into the cache level `hint` says.
+template <int64_t ahead = kPrefetchAhead, int hint = _MM_HINT_T0>
 inline void Prefetch(const void* at, int lines) {
   const char* p = static_cast<const char*>(at) + ahead;
-  for (int l = 0; l < lines; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+  for (int l = 0; l < lines; ++l) _mm_prefetch(p + 64 * l, static_cast<_mm_hint>(hint));
 }
 
 // Rounds each of the m rows of x [m, k] to int16 with its own scale, into
@@ -221,7 +224,7 @@ inline void TileTimesRowsA8(const int8_t* xq, int64_t kg, const float* xs, const
     for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_set1_epi32(xoff[r * groups + g]);
     auto quad_step = [&](int64_t i) {
       const uint8_t* wi = w + i * 4 * kTile;
-      Prefetch<M == 1 ? kPrefetchAhead : kPrefetchAheadRows>(wi, 2);
+      Prefetch<kPrefetchAheadA8, _MM_HINT_T1>(wi, 2);
       const __m512i w0 = _mm512_loadu_si512(wi);
       const __m512i w1 = _mm512_loadu_si512(wi + 64);
       for (int r = 0; r < M; ++r) {
@@ -515,21 +518,27 @@ constexpr int kMaxBlock = 8;
 constexpr Block kBlocks[kMaxBlock] = {RowsTimesTiles<1>, RowsTimesTiles<2>, RowsTimesTiles<3>, RowsTimesTiles<4>,
                                       RowsTimesTiles<5>, RowsTimesTiles<6>, RowsTimesTiles<7>, RowsTimesTiles<8>};
 
+// Rows past one block read each tile again. A prefill's blocks once each
+// read every weight from memory (64 rows: eight reads of SmolLM2's 135 MB,
+// bound by the memory); now every block runs over a run of tiles of about
+// kRunBytes while it sits in the core's L2 cache, before the next run.
+constexpr int64_t kRunBytes = 64 * 1024;
+
 // fn(m0, rows, t0, t1) for the blocks of at most `block` token rows, each
-// over every tile: a few chunks of tiles a thread, for balance.
+// over every tile of `tile_bytes`: a few chunks of tiles a thread, for
+// balance, and in each chunk the blocks over one run of tiles at a time.
 template <typename Fn>
-void ForTiles(ffi::ThreadPool& pool, int64_t m, int64_t n, int64_t block, Fn fn) {
+void ForTiles(ffi::ThreadPool& pool, int64_t m, int64_t n, int64_t block, int64_t tile_bytes, Fn fn) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t count = (n + kTile - 1) / kTile;
   const int64_t per = std::max<int64_t>(1, (count + 4 * threads - 1) / (4 * threads));
   const int64_t chunks = (count + per - 1) / per;
-  for (int64_t m0 = 0; m0 < m; m0 += block) {
-    const int64_t rows = std::min<int64_t>(m - m0, block);
-    ForEachChunk(pool, chunks, [&](int64_t c) {
-      const int64_t t0 = c * per;
-      fn(m0, rows, t0, std::min(count, t0 + per));
-    });
-  }
+  const int64_t run = m <= block ? per : std::max<int64_t>(1, kRunBytes / std::max<int64_t>(1, tile_bytes));
+  ForEachChunk(pool, chunks, [&](int64_t c) {
+    const int64_t t0 = c * per, t1 = std::min(count, t0 + per);
+    for (int64_t r0 = t0; r0 < t1; r0 += run)
+      for (int64_t m0 = 0; m0 < m; m0 += block) fn(m0, std::min<int64_t>(m - m0, block), r0, std::min(t1, r0 + run));
+  });
 }
 
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k, const int8_t* tiles,
@@ -538,7 +547,7 @@ ffi::Error Multiply(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k,
   std::vector<int16_t> xq(m * kp);
   std::vector<float> xs(m);
   QuantizeRows(x, m, k, kp, xq.data(), xs.data());
-  ForTiles(pool, m, n, kMaxBlock, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+  ForTiles(pool, m, n, kMaxBlock, kp * kTile, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
     kBlocks[rows - 1](xq.data(), xs.data(), tiles, scale, ad, y, m0, kp, n, t0, t1);
   });
   return ffi::Error::Success();
@@ -592,7 +601,8 @@ ffi::Error MultiplyA8(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t 
   std::vector<float> xs(m * groups);
   std::vector<int32_t> xoff(m * groups);
   QuantizeRowsA8(x, m, k, kg, xq.data(), xs.data(), xoff.data());
-  ForTiles(pool, m, n, AmxServes() ? kMaxBlockAmx : kMaxBlock, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+  const int64_t block = AmxServes() ? kMaxBlockAmx : kMaxBlock;
+  ForTiles(pool, m, n, block, kg * kTile, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
     kBlocksA8[rows - 1](xq.data(), xs.data(), xoff.data(), tiles, scale, ad, y, m0, kg, n, t0, t1);
   });
   return ffi::Error::Success();

@@ -279,6 +279,31 @@ def test_the_8_bit_product_is_the_group_scaled_sum_of_exact_integer_products(row
   assert (np.abs(got - exact) <= half_step @ np.abs(wdq).T + 1e-5 * np.abs(exact).max()).all(), f"seed {seed}"
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+def test_many_row_blocks_over_runs_of_wide_tiles_give_each_rows_own_product(bits):
+  """A prefill's rows go through the tiles in runs that stay in cache, every
+  block of rows over one run before the next: with tiles of long rows (a run
+  of one or two tiles), many tiles a thread and a last block of a few rows,
+  each row's product is the one it has when multiplied alone."""
+  if not kernels.native_kernel_ready():
+    pytest.skip("no C++ kernel here")
+  rng, seed = fresh_rng()
+  k, n, rows = int(rng.integers(1400, 2100)), int(rng.integers(1500, 2200)), int(rng.integers(17, 40))
+  qw = kernels.quantize(jnp.asarray(rng.normal(size=(n, k)), jnp.float32), activation_bits=bits)
+  x = (rng.normal(size=(rows, k)) * rng.uniform(0.01, 100, size=(rows, 1))).astype(np.float32)
+  product = jax.jit(kernels.int8_matmul)
+  got = np.asarray(product(jnp.asarray(x), qw))
+  alone = np.concatenate([np.asarray(product(jnp.asarray(x[r:r + 1]), qw)) for r in range(rows)])
+  np.testing.assert_array_equal(got, alone, err_msg=f"seed {seed}")
+  if bits == 8:
+    want, magnitude, ties = int8_groups_product(x, np.asarray(qw.q, np.int64), np.asarray(qw.scale))
+    assert (np.abs(got - want) <= 3e-6 * magnitude + ties + 1e-30).all(), f"seed {seed}"
+  else:
+    xq, xs = rows_rounded_to_int16(x)
+    want = (xq @ np.asarray(qw.q, np.int64).T) * xs[:, None].astype(np.float64) * np.asarray(qw.scale, np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_8_bit_products_add_joined_adapters_to_the_chosen_rows(kernel, monkeypatch):
   serve_with(kernel, monkeypatch)
